@@ -1,0 +1,35 @@
+"""Shared fixtures. Tests never touch the real user folder: OFFLOAD_TUNER_HOME points at a
+temporary folder for every test. Models are made, never downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tuner.testing import ModelShape, make_model, quantize
+
+TINY = ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=512, n_ctx_train=4096)
+MOE = ModelShape(n_layer=3, n_embd=256, n_head=4, n_head_kv=4, n_ff=256, n_vocab=512, n_expert=4, n_expert_used=2)
+
+
+@pytest.fixture(autouse=True)
+def tuner_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "offload-tuner-home"
+    monkeypatch.setenv("OFFLOAD_TUNER_HOME", str(home))
+    monkeypatch.delenv("OFFLOAD_TUNER_PROFILE_PATH", raising=False)
+    return home
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Small real GGUF models: F16, its Q8_0 and Q4_K_M quantizations, an MoE and a split model."""
+    folder = tmp_path_factory.mktemp("models")
+    f16 = make_model(folder / "tiny-F16.gguf", TINY)
+    return {
+        "f16": f16,
+        "q8_0": quantize(f16, folder / "tiny-Q8_0.gguf", "Q8_0"),
+        "q4_k_m": quantize(f16, folder / "tiny-Q4_K_M.gguf", "Q4_K_M"),
+        "moe": make_model(folder / "moe-F16.gguf", MOE),
+        "split": make_model(folder / "split" / "tiny.gguf", TINY, split_max_tensors=15),
+    }

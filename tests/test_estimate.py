@@ -1,0 +1,100 @@
+"""Memory arithmetic: llama.cpp's placement rules, and accuracy against what llama.cpp allocates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tuner.cli import cli
+from tuner.estimate import CPU, estimate, layer_devices, max_gpu_layers
+from tuner.model import inspect
+
+MiB = 1 << 20
+
+
+def test_offload_starts_from_the_output_layer():
+    # 4 repeating layers + output (index 4). ngl=1: only the output layer is on the GPU.
+    assert layer_devices(4, 1, ["GPU0"]) == [CPU, CPU, CPU, CPU, "GPU0"]
+    assert layer_devices(4, 2, ["GPU0"]) == [CPU, CPU, CPU, "GPU0", "GPU0"]
+    assert layer_devices(4, 0, ["GPU0"]) == [CPU] * 5
+    assert layer_devices(4, -1, ["GPU0"]) == ["GPU0"] * 5
+    assert layer_devices(4, 99, ["GPU0"]) == ["GPU0"] * 5
+
+
+def test_tensor_split_spreads_layers_by_proportion():
+    # 8 layers + output all offloaded, split 1:2 -> cumulative 1/3, 1: il/9 < 1/3 -> first 3 on GPU0
+    assert layer_devices(8, 9, ["A", "B"], [1, 2]) == ["A"] * 3 + ["B"] * 6
+    # ngl 5 of 9 with split 1,2 (the RPC check in the issue): layers 4..8 offloaded
+    assert layer_devices(8, 5, ["A", "B"], [1, 2]) == [CPU] * 4 + ["A"] * 2 + ["B"] * 3
+    # a zero share gets nothing
+    assert "A" not in layer_devices(8, 9, ["A", "B"], [0, 1])
+
+
+def test_estimate_moves_bytes_with_layers(models):
+    info = inspect(models["q8_0"])
+    none = estimate(info, n_gpu_layers=0, devices=["GPU0"], n_ctx=1024)
+    some = estimate(info, n_gpu_layers=2, devices=["GPU0"], n_ctx=1024)
+    full = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=1024)
+    total_weights = sum(t.n_bytes for t in info.tensors)
+    for est in (none, some, full):
+        assert sum(d.weights for d in est.devices.values()) == total_weights
+        assert sum(d.kv for d in est.devices.values()) == info.kv_bytes_per_token["f16"] * 1024
+    assert none.devices["GPU0"].weights == 0
+    # ngl 2 = the output layer + the last repeating layer
+    assert some.devices["GPU0"].weights == info.layer_bytes[-1].total + info.nonrepeating_bytes["output"] + info.nonrepeating_bytes["output_norm"]
+    assert some.layers_offloaded == 2 and full.layers_offloaded == info.n_layer + 1
+    # token embeddings always stay on the host
+    assert full.devices[CPU].weights == info.nonrepeating_bytes["token_embd"]
+    assert full.devices[CPU].kv == 0
+
+
+def test_kv_type_and_context_scale_the_cache(models):
+    info = inspect(models["q8_0"])
+    f16 = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=4096, type_k="f16")
+    q8 = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=4096, type_k="q8_0")
+    half = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=2048, type_k="f16")
+    assert q8.devices["GPU0"].kv == pytest.approx(f16.devices["GPU0"].kv * 34 / 64)
+    assert half.devices["GPU0"].kv * 2 == f16.devices["GPU0"].kv
+    # llama.cpp pads the context to 256 cells
+    assert estimate(info, n_ctx=1000).n_ctx == 1024
+
+
+def test_tensor_overrides_keep_tensors_on_the_host(models):
+    info = inspect(models["q8_0"])
+    plain = estimate(info, n_gpu_layers=-1, devices=["GPU0"])
+    ffn_on_cpu = estimate(info, n_gpu_layers=-1, devices=["GPU0"], tensor_overrides=[r"blk\.[01]\.ffn_(gate|up|down)"])
+    moved = sum(info.layer_bytes[i].ffn for i in (0, 1))
+    assert plain.devices["GPU0"].weights - ffn_on_cpu.devices["GPU0"].weights == moved
+    assert ffn_on_cpu.devices[CPU].weights - plain.devices[CPU].weights == moved
+
+
+def test_max_gpu_layers_is_the_inverse(models):
+    info = inspect(models["q8_0"])
+    settings = dict(n_ctx=1024, n_ubatch=512)
+    for ngl in range(0, info.n_layer + 2):
+        need = estimate(info, n_gpu_layers=ngl, devices=["GPU0"], **settings).devices["GPU0"].total
+        found = max_gpu_layers(info, {"GPU0": need + 100 * MiB}, margin=100 * MiB, **settings)
+        assert found >= ngl
+        if ngl < info.n_layer + 1:
+            more = estimate(info, n_gpu_layers=ngl + 1, devices=["GPU0"], **settings).devices["GPU0"].total
+            if more > need:
+                assert found == ngl
+
+
+def test_estimate_cli_json_shape(models):
+    result = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "--n-gpu-layers", "3", "--ctx", "2048", "--kv-type", "q8_0",
+                                      "--tensor-split", "1,1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert set(data["devices"]) == {"CPU", "GPU0", "GPU1"}
+    for mem in data["devices"].values():
+        assert set(mem) == {"weights", "kv", "compute", "total"}
+        assert mem["total"] == mem["weights"] + mem["kv"] + mem["compute"]
+
+
+def test_estimate_cli_inverse(models):
+    result = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "--free", "4", "--margin", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert 0 <= json.loads(result.output)["max_gpu_layers"] <= 5

@@ -1,0 +1,72 @@
+"""Settings: validation with dotted paths, and the converters to llama.cpp's interfaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.errors import SettingsError
+from tuner.settings import Settings
+
+
+def test_defaults_are_valid():
+    s = Settings(model_path="m.gguf")
+    assert s.n_gpu_layers == 0 and s.flash_attn == "auto" and s.type_k == "f16"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n_gpu_layers": -2}, "settings.n_gpu_layers: expected -1 (all) or a count >= 0, got -2"),
+        ({"tensor_split": [1, -1]}, "settings.tensor_split[1]: expected a proportion >= 0, got -1"),
+        ({"tensor_split": [0, 0]}, "settings.tensor_split: the proportions add up to 0; at least one device needs a share"),
+        ({"type_k": "q3_k"}, "settings.type_k: expected one of f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, bf16, got 'q3_k'"),
+        ({"type_v": "q8_0", "flash_attn": "off"}, "settings.type_v: a quantized V cache (q8_0) needs flash attention; set flash_attn to on or auto"),
+        ({"n_ubatch": 1024, "n_batch": 512}, "settings.n_ubatch: must not exceed n_batch (512), got 1024"),
+        ({"flash_attn": "yes"}, "settings.flash_attn: expected one of auto, off, on, got 'yes'"),
+        ({"tensor_overrides": ["blk.(0"]}, "settings.tensor_overrides[0]: not a valid regular expression: missing ), unterminated subpattern at position 4"),
+        ({"rpc_servers": ["localhost"]}, "settings.rpc_servers[0]: expected host:port, got 'localhost'"),
+        ({"n_threads": 0}, "settings.n_threads: expected null (llama.cpp's default) or a count >= 1, got 0"),
+    ],
+)
+def test_invalid_settings_name_the_field(changes, message):
+    with pytest.raises(SettingsError) as info:
+        Settings(model_path="m.gguf", **changes)
+    assert str(info.value) == message
+
+
+def test_from_dict_round_trip_and_unknown_key():
+    s = Settings(model_path="m.gguf", n_gpu_layers=10, tensor_split=(3, 1), tensor_overrides=(r"blk\.0\.ffn_.*",))
+    assert Settings.from_dict(s.to_dict()) == s
+    with pytest.raises(SettingsError, match=r"^settings.n_gpu_layer: unknown setting"):
+        Settings.from_dict({"model_path": "m.gguf", "n_gpu_layer": 3})
+
+
+def test_llama_kwargs():
+    s = Settings(model_path="m.gguf", n_gpu_layers=20, tensor_split=(1, 1), n_ctx=8192, flash_attn="on",
+                 type_k="q8_0", type_v="q8_0", n_threads=6, use_mmap=False)
+    kw = s.llama_kwargs()
+    assert kw["n_gpu_layers"] == 20 and kw["tensor_split"] == [1, 1] and kw["n_ctx"] == 8192
+    assert kw["flash_attn"] is True and kw["type_k"] == 8 and kw["type_v"] == 8
+    assert kw["n_threads"] == 6 and kw["use_mmap"] is False and kw["split_mode"] == 1
+
+
+def test_server_and_bench_flags():
+    s = Settings(model_path="m.gguf", n_gpu_layers=20, tensor_split=(3, 1), n_ctx=8192, flash_attn="on",
+                 type_k="q8_0", type_v="q8_0", n_threads=6, offload_kqv=False, use_mmap=False,
+                 tensor_overrides=(r"blk\.[0-3]\.ffn_.*",), rpc_servers=("127.0.0.1:50052",))
+    assert s.cli_args("llama-server") == [
+        "-m", "m.gguf", "-ngl", "20", "-ts", "3,1", "-c", "8192", "-b", "2048", "-ub", "512", "-t", "6",
+        "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "-nkvo", "-lm", "none",
+        "-ot", r"blk\.[0-3]\.ffn_.*=CPU", "--rpc", "127.0.0.1:50052"]
+    assert s.cli_args("llama-bench") == [
+        "-m", "m.gguf", "-ngl", "20", "-ts", "3/1", "-b", "2048", "-ub", "512", "-t", "6",
+        "-fa", "1", "-ctk", "q8_0", "-ctv", "q8_0", "-nkvo", "1", "-lm", "none",
+        "-ot", r"blk\.[0-3]\.ffn_.*=CPU", "--rpc", "127.0.0.1:50052"]
+    assert s.command_line("llama-server").startswith("llama-server -m m.gguf -ngl 20")
+
+
+def test_model_key_ignores_context_settings():
+    a = Settings(model_path="m.gguf", n_gpu_layers=5, n_ctx=1024, n_threads=2)
+    b = a.replace(n_ctx=4096, n_threads=1, type_k="q8_0", flash_attn="on")
+    c = a.replace(n_gpu_layers=6)
+    assert a.model_key == b.model_key != c.model_key

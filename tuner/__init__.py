@@ -1,0 +1,65 @@
+"""offload-tuner: find the fastest way to run a GGUF model with llama.cpp on this machine.
+
+The public surface is listed in ``__all__``. Importing ``tuner`` is light: heavy parts (optuna,
+gguf, llama.cpp) load only when the function that needs them is first used, so an app that
+only loads a profile never pays for the tuner.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first use)
+_EXPORTS = {
+    # errors
+    "TunerError": "errors",
+    "ModelError": "errors",
+    "SettingsError": "errors",
+    "ProfileError": "errors",
+    "ProfileValidationError": "errors",
+    "SchemaVersionError": "errors",
+    "NoMatchingProfileError": "errors",
+    "ProfileMismatchError": "errors",
+    "StudyError": "errors",
+    "RPCError": "errors",
+    # foundation
+    "Settings": "settings",
+    "Machine": "hardware",
+    "probe": "hardware",
+    "inspect": "model",
+    "ModelInfo": "model",
+    "estimate": "estimate",
+    "MemoryEstimate": "estimate",
+    "max_gpu_layers": "estimate",
+    # runner
+    "parse_log": "logparse",
+    "LoadReport": "logparse",
+    "Outcome": "outcome",
+    "TrialResult": "runner",
+    "run_trial": "runner",
+    "TrialRunner": "runner",
+    # tune
+    "tune": "study",
+    # profiles and apps
+    "Profile": "profile",
+    "load_profile": "apps",
+    "Llama": "apps",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tuner' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

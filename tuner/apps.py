@@ -1,0 +1,557 @@
+"""Profiles in apps: pick this model's profile for this machine, check it still fits, load it.
+
+    profile = load_profile("model.gguf")        # or strict=True to refuse any change
+    llm = Llama("model.gguf")                   # the same, then llama_cpp.Llama(**profile.llama_kwargs())
+
+Selection (``load_profile``): profiles on the search path whose model fingerprint (size and header
+hash) is this file's; among them an exact machine match first, then the same hardware class (same
+GPU models and memory); earlier search-path folders first, then the newest.
+
+Validation at load (``check_profile``): a different llama.cpp build is a warning. Free memory now,
+per device, is compared with what the profile needs plus a margin. If it no longer fits, the profile
+is degraded in the order the levers rank: the context first (never below the profile's ``min_ctx``),
+then fewer GPU layers. Fewer GPU layers is a partial offload the profile did not choose: it is
+reported loudly (``ProfileDegradedWarning``), with the processes holding the GPU's memory. Every
+change is listed in ``Profile.degradation``. ``strict=True`` raises ``ProfileMismatchError`` instead.
+
+The memory model (bytes, per device; devices are llama.cpp's names in ``memory.predicted``):
+
+- what the profile needs on a device is its recorded ``total`` (or the measured ``actual`` sum if larger);
+- ``CUDA1``, ``Vulkan0``, ``ROCm0``... map to ``machine.gpus[1]``, ``[0]``...; a device name without a
+  number (``Metal``) takes its place among the accelerators; ``RPC0[host:port]`` maps to the
+  ``machine.rpc_devices`` entry of that endpoint; ``CPU`` to ``machine.ram_available``; on a
+  unified-memory machine an accelerator that NVML does not list shares the RAM;
+- on the host, weights read with mmap are file-backed pages and are not counted against free RAM;
+- a context smaller by ``d`` tokens frees ``kv_bytes_per_token_per_layer * layers_on_device * d``
+  on each device holding KV (``layers_on_device`` is read from the recorded KV size);
+- one GPU layer fewer moves ``layer_weight_bytes`` and its KV from the GPUs (in proportion to their
+  share of the layers) to the CPU; the first layer removed from a full offload is the output layer
+  (``output_weight_bytes``, no KV).
+
+Imports stay light: ``llama_cpp`` only inside ``Llama()``; no optuna, gguf or numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from .errors import NoMatchingProfileError, ProfileError, ProfileMismatchError
+from .fingerprint import model_fingerprint
+from .profile import (
+    LlamaBuildWarning,
+    Profile,
+    ProfileAdjustedWarning,
+    ProfileDegradedWarning,
+    ProfileWarning,
+    SearchPath,
+    describe_gpus,
+    list_profiles,
+    profile_search_path,
+    read_profile,
+)
+
+if TYPE_CHECKING:
+    from .hardware import GPU, Machine
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_MARGIN_BYTES = 256 * MiB
+# llama.cpp pads the context to a multiple of 256 tokens; degrade in the same steps.
+CTX_STEP = 256
+
+_RPC_DEVICE_RE = re.compile(r"^RPC\d*\[(?P<endpoint>[^\]]+)\]$")
+_NUMBERED_DEVICE_RE = re.compile(r"^[A-Za-z_]+?(?P<index>\d+)$")
+
+
+# -- selection ---------------------------------------------------------------------------------
+
+
+def load_profile(
+    model_path: str | os.PathLike[str],
+    *,
+    search_path: SearchPath = None,
+    machine: "Machine | None" = None,
+    strict: bool = False,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+) -> Profile:
+    """The best profile for this model file on this machine, checked (and if needed degraded) to fit now.
+
+    ``machine`` defaults to this machine (``tuner.hardware.probe(llama=False)``); tests inject one.
+    Raises ``NoMatchingProfileError`` listing each profile found and why it did not match.
+    """
+    fingerprint = model_fingerprint(model_path)
+    probed = machine is None
+    machine = machine if machine is not None else this_machine()
+    this_fp, this_class = machine.fingerprint(), machine.hardware_class()
+    entries = list_profiles(search_path)
+    folders = profile_search_path(search_path)
+    candidates = []
+    rejected = []
+    for order, entry in enumerate(entries):
+        profile = entry.profile
+        if profile is None:
+            rejected.append(f"  {entry.path}: unreadable: {entry.error}")
+            continue
+        reason = model_mismatch(profile, fingerprint)
+        if reason is None and profile.machine.fingerprint != this_fp and profile.machine.hardware_class != this_class:
+            reason = (
+                f"for another machine ({profile.machine.describe()}): neither its fingerprint {profile.machine.fingerprint} "
+                f"nor its hardware class {profile.machine.hardware_class} is this machine's"
+            )
+        if reason is not None:
+            rejected.append(f"  {entry.path}: {reason}")
+            continue
+        rank = 0 if profile.machine.fingerprint == this_fp else 1
+        folder = folders.index(entry.origin) if entry.origin in folders else len(folders)
+        candidates.append((rank, folder, -_timestamp(profile.created_at), order, profile))
+    if not candidates:
+        raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
+    best = min(candidates, key=lambda c: c[:4])[-1]
+    return check_profile(best, model_path, machine=machine, strict=strict, margin_bytes=margin_bytes, _probed=probed, _fingerprint=fingerprint)
+
+
+def this_machine() -> "Machine":
+    """This machine, without starting llama.cpp: the llama-cpp-python version comes from its metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .hardware import LlamaBuild, probe
+
+    machine = probe(llama=False)
+    try:
+        return dataclasses.replace(machine, llama=LlamaBuild(llama_cpp_python=version("llama_cpp_python")))
+    except PackageNotFoundError:
+        return machine
+
+
+def model_mismatch(profile: Profile, fingerprint: dict) -> str | None:
+    """Why ``profile`` is not for the model with this fingerprint, or None when it is.
+
+    Size and header hash decide; the file name does not (a renamed file is the same model).
+    """
+    recorded = profile.model
+    if recorded.size == fingerprint["size"] and recorded.header_hash == fingerprint["header_hash"]:
+        return None
+    if recorded.file_name == fingerprint["file_name"]:
+        return (
+            f"made for a different file with the same name: {recorded.file_name} was {recorded.size} bytes "
+            f"with header hash {recorded.header_hash[:12]} when tuned; this one is {fingerprint['size']} bytes "
+            f"with header hash {fingerprint['header_hash'][:12]}"
+        )
+    return f"for another model ({recorded.file_name})"
+
+
+def _no_match_message(model_path: Any, fingerprint: dict, machine: "Machine", rejected: list[str], folders: list) -> str:
+    here = f"{machine.cpu_model}, {describe_gpus([(g.name, g.memory_total) for g in machine.gpus])}"
+    head = f"no profile for {fingerprint['file_name']} on this machine ({here})"
+    advice = (
+        f"Tune it here with `offload-tuner tune {os.fspath(model_path)}`, or add a team's profile folder "
+        f"to OFFLOAD_TUNER_PROFILE_PATH."
+    )
+    if not rejected:
+        where = ", ".join(str(f) for f in folders) or "(an empty search path)"
+        return f"{head}: no profiles found in {where}. {advice}"
+    return f"{head}; {len(rejected)} profile(s) found, none matches:\n" + "\n".join(rejected) + f"\n{advice}"
+
+
+def _timestamp(created_at: str) -> float:
+    return datetime.fromisoformat(created_at[:-1] + "+00:00" if created_at.endswith("Z") else created_at).timestamp()
+
+
+# -- validation at load ------------------------------------------------------------------------
+
+
+def check_profile(
+    profile: Profile,
+    model_path: str | os.PathLike[str],
+    *,
+    machine: "Machine | None" = None,
+    strict: bool = False,
+    margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    _probed: bool = False,
+    _fingerprint: dict | None = None,
+) -> Profile:
+    """Check one profile against this model file and this machine now; return it ready to load.
+
+    The returned profile has the app's ``model_path`` and, where it no longer fits, the degraded
+    settings with ``degradation`` saying what changed and why. ``strict=True`` raises
+    ``ProfileMismatchError`` instead of changing anything.
+    """
+    fingerprint = _fingerprint or model_fingerprint(model_path)
+    reason = model_mismatch(profile, fingerprint)
+    if reason is not None:
+        raise ProfileMismatchError(f"profile {profile.name} is {reason}; tune this file, or load the file that was tuned")
+    if machine is None:
+        machine, _probed = this_machine(), True
+    if _probed and profile.settings.rpc_servers and not machine.rpc_devices:
+        machine = _with_rpc_devices(machine, profile.settings.rpc_servers)
+    if profile.machine.fingerprint != machine.fingerprint() and profile.machine.hardware_class != machine.hardware_class():
+        warnings.warn(
+            f"profile {profile.name} was tuned on another kind of machine ({profile.machine.describe()}); "
+            "its speeds were measured there",
+            ProfileWarning,
+            stacklevel=2,
+        )
+    _check_build(profile, machine)
+
+    plan = _Plan(profile, machine, margin_bytes)
+    changes = plan.threads_changes() + plan.fit()
+    settings = profile.settings.replace(model_path=os.fspath(model_path), **plan.changed_settings)
+    if plan.unknown:
+        warnings.warn(
+            f"profile {profile.name}: cannot check free memory on {'; '.join(plan.unknown)}",
+            ProfileWarning,
+            stacklevel=2,
+        )
+    if changes and strict:
+        raise ProfileMismatchError(
+            f"profile {profile.name} does not fit this machine as recorded; loading it would need:\n"
+            + "\n".join(f"  - {c}" for c in changes)
+            + "\nFree the memory, or load with strict=False to accept these changes."
+        )
+    if changes:
+        category = ProfileDegradedWarning if plan.layers_reduced else ProfileAdjustedWarning
+        lead = "PARTIAL OFFLOAD: " if plan.layers_reduced else ""
+        warnings.warn(
+            f"{lead}profile {profile.name} changed to fit this machine now:\n"
+            + "\n".join(f"  - {c}" for c in changes)
+            + "\nPass strict=True to raise instead.",
+            category,
+            stacklevel=2,
+        )
+    return profile.replace(settings=settings, degradation=tuple(changes))
+
+
+def _with_rpc_devices(machine: "Machine", servers: tuple[str, ...]) -> "Machine":
+    try:
+        from .rpc import query_devices  # the lead's module; absent in early builds
+    except ImportError:
+        return machine
+    try:
+        return dataclasses.replace(machine, rpc_devices=tuple(query_devices(servers)))
+    except Exception as exc:  # an unreachable server is reported by the fit check as "cannot check"
+        warnings.warn(f"could not query the RPC servers {', '.join(servers)}: {exc}", ProfileWarning, stacklevel=3)
+        return machine
+
+
+def _check_build(profile: Profile, machine: "Machine") -> None:
+    recorded, here = profile.llama_build, machine.llama
+    differences = []
+    if recorded.llama_cpp_python and here.llama_cpp_python and recorded.llama_cpp_python != here.llama_cpp_python:
+        differences.append(f"llama-cpp-python {recorded.llama_cpp_python}, this machine has {here.llama_cpp_python}")
+    if recorded.llama_cpp_build and here.llama_cpp_build and recorded.llama_cpp_build != here.llama_cpp_build:
+        differences.append(f"llama.cpp build {recorded.llama_cpp_build}, this machine has {here.llama_cpp_build}")
+    if differences:
+        warnings.warn(
+            f"profile {profile.name} was measured with {'; '.join(differences)}: speed and memory use may differ; "
+            "tune again to be sure",
+            LlamaBuildWarning,
+            stacklevel=3,
+        )
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.2f} GiB" if abs(n_bytes) >= GiB else f"{n_bytes / MiB:.0f} MiB"
+
+
+@dataclass
+class _Pool:
+    """Memory that one free-memory figure covers: a GPU, an RPC server, or the host RAM."""
+
+    label: str
+    free: int
+    need: float = 0.0  # bytes the profile needs here at the recorded settings
+    kv: float = 0.0  # bytes of KV cache here at the recorded context
+    weights: float = 0.0
+    gpu: "GPU | None" = None
+    is_host: bool = False
+    devices: list[str] = field(default_factory=list)
+
+
+class _Plan:
+    """The degradation arithmetic of one profile on one machine state."""
+
+    def __init__(self, profile: Profile, machine: "Machine", margin_bytes: int) -> None:
+        self.profile, self.machine, self.margin = profile, machine, margin_bytes
+        self.settings = profile.settings
+        self.sizing = profile.sizing
+        self.changed_settings: dict[str, Any] = {}
+        self.layers_reduced = False
+        self.unknown: list[str] = []
+        self.host = _Pool("CPU (RAM)", machine.ram_available, is_host=True)
+        self.pools: list[_Pool] = [self.host]
+        self._map_devices()
+
+    # -- devices -> pools
+
+    def _map_devices(self) -> None:
+        profile, machine = self.profile, self.machine
+        accelerator = 0
+        by_key: dict[str, _Pool] = {}
+        for name, predicted in profile.memory.predicted.items():
+            actual = profile.memory.actual.get(name)
+            need = max(predicted.need, actual.need if actual else 0)
+            weights = predicted.weights
+            pool: _Pool | None
+            if name.startswith("CPU") or name == "Host":
+                pool = self.host
+                if self.settings.use_mmap:
+                    need -= weights  # file-backed pages: the kernel can drop and re-read them
+                    weights = 0
+            elif rpc := _RPC_DEVICE_RE.match(name):
+                endpoint = rpc["endpoint"]
+                info = next((d for d in machine.rpc_devices if d.get("endpoint") == endpoint), None)
+                if info is None or info.get("memory_free") is None:
+                    self.unknown.append(f"{name} (the RPC server {endpoint} was not queried)")
+                    pool = None
+                else:
+                    pool = by_key.setdefault(f"rpc:{endpoint}", _Pool(f"{name} ({info.get('name') or 'RPC'})", int(info["memory_free"])))
+            else:
+                numbered = _NUMBERED_DEVICE_RE.match(name)
+                index = int(numbered["index"]) if numbered else accelerator
+                accelerator += 1
+                if index < len(machine.gpus):
+                    gpu = machine.gpus[index]
+                    pool = by_key.setdefault(f"gpu:{index}", _Pool(f"{name} ({gpu.name})", gpu.memory_free, gpu=gpu))
+                elif machine.unified_memory:
+                    pool = self.host  # Apple silicon, an APU: the accelerator's memory is the RAM
+                else:
+                    self.unknown.append(f"{name} (this machine lists {len(machine.gpus)} GPU(s): {machine.gpu_status})")
+                    pool = None
+            if pool is None:
+                continue
+            if pool not in self.pools:
+                self.pools.append(pool)
+            pool.need += need
+            pool.kv += predicted.kv
+            pool.weights += weights
+            pool.devices.append(name)
+
+    @property
+    def gpu_pools(self) -> list[_Pool]:
+        return [p for p in self.pools if not p.is_host]
+
+    # -- the levers
+
+    def threads_changes(self) -> list[str]:
+        changes = []
+        cores = {"n_threads": self.machine.physical_cores, "n_threads_batch": self.machine.logical_cores}
+        for name, limit in cores.items():
+            value = getattr(self.settings, name)
+            if value is not None and limit >= 1 and value > limit:
+                kind = "physical cores" if name == "n_threads" else "logical cores"
+                self.changed_settings[name] = limit
+                changes.append(f"{name} reduced from {value} to {limit}: this machine has {limit} {kind}")
+        return changes
+
+    def fit(self) -> list[str]:
+        """Degrade until every pool fits; returns the changes in words (empty when it fits as is)."""
+        ctx0 = self._recorded_ctx()
+        kv_per_token_layer = self.sizing.kv_bytes_per_token_per_layer
+        # KV layers per pool, read from the recorded KV size (kv = per_token_layer * layers * ctx).
+        kv_layers = {id(p): (p.kv / (kv_per_token_layer * ctx0) if kv_per_token_layer and ctx0 else 0.0) for p in self.pools}
+        short = [p for p in self.pools if not self._fits(p, p.need)]
+        if not short:
+            return []
+        why = self._why(short)
+        changes = []
+
+        def need_at(pool: _Pool, ctx: int, moved_layers: float = 0.0, moved_output: bool = False) -> float:
+            kv_freed = kv_per_token_layer * kv_layers[id(pool)] * (ctx0 - ctx)
+            return pool.need - kv_freed + self._moved(pool, ctx, moved_layers, moved_output)
+
+        # Lever 1: the context, down to min_ctx, in llama.cpp's 256-token steps.
+        min_ctx = min(self.profile.min_ctx, ctx0)
+        best_ctx = None
+        for ctx in self._contexts(ctx0, min_ctx):
+            if all(self._fits(p, need_at(p, ctx)) for p in self.pools):
+                best_ctx = ctx
+                break
+        if best_ctx is not None:
+            changes.append(self._ctx_change(ctx0, best_ctx, why))
+            self.changed_settings["n_ctx"] = best_ctx
+            return changes
+        ctx = min_ctx if any(kv_layers[id(p)] for p in short) else ctx0
+        if ctx != ctx0:
+            changes.append(self._ctx_change(ctx0, ctx, why))
+            self.changed_settings["n_ctx"] = ctx
+
+        # Lever 2: fewer GPU layers, one at a time; the output layer goes first.
+        n_layer = self.sizing.n_layer
+        layers0 = self._offloaded_layers()
+        for layers in range(layers0 - 1, -1, -1):
+            moved_output = layers0 > n_layer and layers <= n_layer
+            moved_layers = float(min(layers0, n_layer) - min(layers, n_layer))
+            if all(self._fits(p, need_at(p, ctx, moved_layers, moved_output)) for p in self.pools):
+                self.changed_settings["n_gpu_layers"] = layers
+                self.layers_reduced = True
+                was = f"{self.settings.n_gpu_layers} (all)" if self.settings.n_gpu_layers < 0 else str(self.settings.n_gpu_layers)
+                changes.append(
+                    f"GPU layers reduced from {was} to {layers} of {self.profile.layers_total}: a partial offload the "
+                    f"profile did not choose, slower than the {self.profile.measured.tg.median:g} t/s generation it "
+                    f"measured ({'the context is at its minimum already; ' if ctx != ctx0 else ''}{why})"
+                )
+                return changes
+        raise ProfileMismatchError(
+            f"profile {self.profile.name} does not fit this machine now, even with the context at {ctx} and no layer "
+            f"on the GPU: {why}. Free the memory, or tune again on this machine as it is"
+        )
+
+    # -- arithmetic
+
+    def _recorded_ctx(self) -> int:
+        if self.settings.n_ctx:
+            return self.settings.n_ctx
+        # n_ctx 0 means the model's training context: recover it from the recorded KV size.
+        kv_total = sum(p.kv for p in self.pools)
+        per_token = self.sizing.kv_bytes_per_token_per_layer * self.sizing.n_layer
+        return int(kv_total / per_token) if per_token else 0
+
+    def _offloaded_layers(self) -> int:
+        if not self.gpu_pools:
+            return 0
+        total = self.profile.layers_total or self.sizing.n_layer + 1
+        n = self.settings.n_gpu_layers
+        return total if n < 0 else min(n, total)
+
+    def _contexts(self, ctx0: int, min_ctx: int) -> list[int]:
+        steps = []
+        ctx = (ctx0 - 1) // CTX_STEP * CTX_STEP
+        while ctx > min_ctx:
+            steps.append(ctx)
+            ctx -= CTX_STEP
+        if min_ctx < ctx0:
+            steps.append(min_ctx)
+        return steps
+
+    def _layer_weight_on_gpu(self) -> float:
+        # With tensor overrides part of each offloaded layer stays on the CPU: use what the GPUs
+        # were predicted to hold per layer instead of the whole layer.
+        if not self.settings.tensor_overrides:
+            return float(self.sizing.layer_weight_bytes)
+        layers = self._offloaded_layers()
+        output_on_gpu = layers > self.sizing.n_layer
+        repeating = min(layers, self.sizing.n_layer)
+        gpu_weights = sum(p.weights for p in self.gpu_pools) - (self.sizing.output_weight_bytes if output_on_gpu else 0)
+        if repeating <= 0:
+            return 0.0
+        return max(0.0, min(float(self.sizing.layer_weight_bytes), gpu_weights / repeating))
+
+    def _moved(self, pool: _Pool, ctx: int, moved_layers: float, moved_output: bool) -> float:
+        """Bytes this pool gains (host) or loses (GPU) when layers move to the CPU."""
+        if not moved_layers and not moved_output:
+            return 0.0
+        kv_per_layer = self.sizing.kv_bytes_per_token_per_layer * ctx if self.settings.offload_kqv else 0.0
+        weight = self._layer_weight_on_gpu()
+        output = float(self.sizing.output_weight_bytes) if moved_output else 0.0
+        if pool.is_host:
+            gained_weights = 0.0 if self.settings.use_mmap else weight * moved_layers + output
+            return gained_weights + kv_per_layer * moved_layers
+        gpus = self.gpu_pools
+        total_share = sum(self._share(p) for p in gpus)
+        share = self._share(pool) / total_share if total_share else 1.0 / len(gpus)
+        return -share * ((weight + kv_per_layer) * moved_layers + output)
+
+    def _share(self, pool: _Pool) -> float:
+        """A GPU pool's share of the offloaded layers (tensor split as llama.cpp applied it)."""
+        return pool.kv if any(p.kv for p in self.gpu_pools) else pool.weights
+
+    def _fits(self, pool: _Pool, need: float) -> bool:
+        return need + self.margin <= pool.free
+
+    # -- words
+
+    def _why(self, short: list[_Pool]) -> str:
+        reasons = []
+        for pool in short:
+            text = (
+                f"{pool.label} has {_size(pool.free)} free now and the profile needs {_size(pool.need)} there "
+                f"+ {_size(self.margin)} margin"
+            )
+            if pool.gpu is not None:
+                text += f"; {_holders(pool.gpu)}"
+            reasons.append(text)
+        return "; ".join(reasons)
+
+    def _ctx_change(self, ctx0: int, ctx: int, why: str) -> str:
+        recorded = f"{ctx0}" if self.settings.n_ctx else f"{ctx0} (the model's training context)"
+        return f"context reduced from {recorded} to {ctx} tokens (the profile's minimum is {self.profile.min_ctx}): {why}"
+
+
+def _holders(gpu: "GPU") -> str:
+    if not gpu.processes:
+        return f"NVML lists no process holding memory on GPU {gpu.index}"
+    held = ", ".join(
+        f"pid {p.pid} {p.name} ({_size(p.used_memory) if p.used_memory is not None else 'size not reported'})" for p in gpu.processes
+    )
+    return f"held on GPU {gpu.index} by: {held}"
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def Llama(
+    model_path: str | os.PathLike[str],
+    *,
+    profile: Profile | str | os.PathLike[str] | None = None,
+    search_path: SearchPath = None,
+    strict: bool = False,
+    machine: "Machine | None" = None,
+    verbose: bool = False,
+    **overrides: Any,
+) -> Any:
+    """``llama_cpp.Llama`` for ``model_path``, run as its profile says; ``overrides`` win over the profile.
+
+    ``profile``: None (``load_profile`` finds and checks it), a path (read, then checked), or a
+    ``Profile`` (used as given: pass one from ``load_profile``).
+    """
+    if profile is None:
+        profile = load_profile(model_path, search_path=search_path, machine=machine, strict=strict)
+    elif not isinstance(profile, Profile):
+        profile = check_profile(read_profile(profile), model_path, machine=machine, strict=strict)
+    settings = profile.settings
+    applied: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if settings.tensor_overrides:
+        try:
+            from .overrides import tensor_overrides_applied
+        except ImportError:
+            raise ProfileError(
+                f"profile {profile.name} keeps tensors on the CPU ({', '.join(settings.tensor_overrides)}), which "
+                "tuner.Llama cannot apply in this version (tuner.overrides is missing); run it with llama-server: "
+                f"`offload-tuner profile args {profile.name} --for llama-server`"
+            ) from None
+        applied = tensor_overrides_applied(settings.tensor_overrides)
+    if settings.rpc_servers:
+        try:
+            from .rpc import register_servers
+        except ImportError:
+            raise ProfileError(
+                f"profile {profile.name} uses RPC servers ({', '.join(settings.rpc_servers)}), which tuner.Llama "
+                "cannot register in this version (tuner.rpc is missing); run it with llama-server: "
+                f"`offload-tuner profile args {profile.name} --for llama-server`"
+            ) from None
+        register_servers(settings.rpc_servers)
+
+    import llama_cpp
+
+    kwargs = {**profile.llama_kwargs(model_path), **overrides, "verbose": verbose}
+    if kwargs.get("n_gpu_layers") and not llama_cpp.llama_supports_gpu_offload():
+        message = (
+            f"profile {profile.name} puts {settings.n_gpu_layers} layer(s) on the GPU, but this llama-cpp-python is "
+            "built without GPU offload: every layer would run on the CPU. Reinstall llama-cpp-python with "
+            "CUDA, Metal or Vulkan"
+        )
+        if strict:
+            raise ProfileMismatchError(message)
+        warnings.warn("PARTIAL OFFLOAD: " + message, ProfileDegradedWarning, stacklevel=2)
+    with applied:
+        return llama_cpp.Llama(**kwargs)
+
+
+__all__ = ["load_profile", "check_profile", "this_machine", "model_mismatch", "Llama", "DEFAULT_MARGIN_BYTES"]

@@ -1,0 +1,322 @@
+"""The ``offload-tuner`` command: thin. Parse, call the API, print; domain errors become one line.
+
+Every ``TunerError`` (a bad model path, a truncated GGUF, an invalid setting...) is printed as
+``Error: <what is wrong and what to do>`` on stderr with exit code 2 and no traceback;
+``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from . import __version__
+from .errors import TunerError
+
+MiB = 1 << 20
+
+
+class _Group(click.Group):
+    """Turns TunerError into a clean one-line error (exit 2), unless --debug."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TunerError as exc:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="offload-tuner")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Find the fastest way to run a GGUF model with llama.cpp on this machine.
+
+    \b
+    Try it on a built-in demo model (no GPU, no download):
+      offload-tuner tune --demo
+    """
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+
+
+def _emit(as_json: bool, data: Any, text: Callable[[], str]) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        click.echo(text())
+
+
+# -- inspect / estimate / probe --------------------------------------------------------------
+
+
+@cli.command("inspect")
+@click.argument("model", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect_cmd(model: str, as_json: bool) -> None:
+    """Shapes, quantization and per-layer sizes of a GGUF model, from its header.
+
+    \b
+    Example:
+      offload-tuner inspect model-Q4_K_M.gguf --json
+    """
+    from .model import describe, inspect
+
+    info = inspect(model)
+    _emit(as_json, info.to_dict(), lambda: describe(info))
+
+
+def _floats(value: str | None) -> tuple[float, ...] | None:
+    if not value:
+        return None
+    try:
+        return tuple(float(x) for x in value.replace("/", ",").split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+
+
+@cli.command("estimate")
+@click.argument("model", type=click.Path())
+@click.option("--n-gpu-layers", "-ngl", type=int, default=None, help="Layers to offload (-1: all). Omit with --free to get the most that fit.")
+@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size (tokens).")
+@click.option("--kv-type", default="f16", show_default=True, help="KV cache type for K and V (f16, q8_0, q4_0, ...).")
+@click.option("--tensor-split", "-ts", default=None, help="Proportions per device, e.g. 3,1.")
+@click.option("--devices", default=None, help="Accelerator names as llama.cpp prints them, e.g. CUDA0,CUDA1.")
+@click.option("--ubatch", "n_ubatch", type=int, default=512, show_default=True, help="Physical batch size.")
+@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True)
+@click.option("--free", "free_mib", default=None, help="Free MiB per device (comma list): print the most layers that fit.")
+@click.option("--margin", "margin_mib", type=int, default=512, show_default=True, help="Safety margin in MiB with --free.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def estimate_cmd(model: str, n_gpu_layers: int | None, n_ctx: int, kv_type: str, tensor_split: str | None, devices: str | None,
+                 n_ubatch: int, flash_attn: bool, free_mib: str | None, margin_mib: int, as_json: bool) -> None:
+    """Memory per device (weights, KV cache, compute) before loading anything.
+
+    \b
+    Examples:
+      offload-tuner estimate model.gguf --n-gpu-layers 20 --ctx 8192 --kv-type q8_0
+      offload-tuner estimate model.gguf --free 8000 --ctx 8192      # most layers that fit
+    """
+    from .estimate import estimate, format_estimate, max_gpu_layers
+    from .model import inspect
+
+    info = inspect(model)
+    split = _floats(tensor_split)
+    names = [d for d in devices.split(",") if d] if devices else None
+    common = dict(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, tensor_split=split, n_ubatch=n_ubatch, flash_attn=flash_attn)
+    best = None
+    if free_mib:
+        free_values = _floats(free_mib) or ()
+        names = names or [f"GPU{i}" for i in range(len(free_values))]
+        if len(names) != len(free_values):
+            raise click.BadParameter(f"{len(free_values)} --free values for {len(names)} devices")
+        free = {n: int(v * MiB) for n, v in zip(names, free_values)}
+        best = max_gpu_layers(info, free, margin=margin_mib * MiB, devices=names, **common)
+        if n_gpu_layers is None:
+            n_gpu_layers = best
+    if n_gpu_layers is None:
+        raise click.UsageError("give --n-gpu-layers, or --free to find the most layers that fit")
+    est = estimate(info, n_gpu_layers=n_gpu_layers, devices=names, **common)
+    data = est.to_dict()
+    if best is not None:
+        data["max_gpu_layers"] = best
+    _emit(as_json, data, lambda: (f"most layers that fit: {best}\n" if best is not None else "") + format_estimate(est))
+
+
+@cli.command("probe")
+@click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... to list with their memory.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def probe_cmd(rpc: str | None, as_json: bool) -> None:
+    """This machine: CPU, RAM, GPUs and who holds their memory, and the llama.cpp build.
+
+    \b
+    Example:
+      offload-tuner probe --json
+    """
+    from .hardware import probe
+
+    servers = tuple(s for s in (rpc or "").split(",") if s)
+    machine = probe(rpc_servers=servers)
+    _emit(as_json, machine.to_dict(), lambda: format_machine(machine))
+
+
+def format_machine(m: Any) -> str:
+    lines = [
+        f"CPU: {m.cpu_model} ({m.physical_cores} physical / {m.logical_cores} logical cores)",
+        f"RAM: {m.ram_total / MiB / 1024:.1f} GiB total, {m.ram_available / MiB / 1024:.1f} GiB available",
+        f"GPUs: {m.gpu_status}",
+    ]
+    for g in m.gpus:
+        lines.append(f"  [{g.index}] {g.name} {g.uuid}: {g.memory_free / MiB:.0f} / {g.memory_total / MiB:.0f} MiB free, driver {g.driver}")
+        for p in g.processes:
+            used = f"{p.used_memory / MiB:.0f} MiB" if p.used_memory else "? MiB"
+            lines.append(f"      held by pid {p.pid} ({p.name}): {used}")
+    for d in m.rpc_devices:
+        lines.append(f"  RPC {d['endpoint']}: {d.get('name', '')} {d.get('memory_free', 0) / MiB:.0f} / {d.get('memory_total', 0) / MiB:.0f} MiB free"
+                     + (f" ({d['error']})" if d.get("error") else ""))
+    lines.append(f"Unified memory: {'yes' if m.unified_memory else 'no'}")
+    b = m.llama
+    if b.error:
+        lines.append(f"llama.cpp: {b.error}")
+    else:
+        lines.append(
+            f"llama.cpp: llama-cpp-python {b.llama_cpp_python}, build {b.llama_cpp_build or 'not exposed'}, "
+            f"backends {', '.join(b.backends) or 'cpu'}, GPU offload {'yes' if b.gpu_offload else 'no'}, RPC {'yes' if b.rpc else 'no'}"
+        )
+    return "\n".join(lines)
+
+
+# -- bench / parse-log ---------------------------------------------------------------------------
+
+
+def settings_options(fn: Callable) -> Callable:
+    """The Settings flags, shared by bench and tune (named as llama.cpp's where they exist)."""
+    options = [
+        click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True, help="Layers to offload (-1: all)."),
+        click.option("--split-mode", "-sm", type=click.Choice(["none", "layer", "row"]), default="layer", show_default=True),
+        click.option("--main-gpu", "-mg", type=int, default=0, show_default=True),
+        click.option("--tensor-split", "-ts", default=None, help="Proportions per device, e.g. 3,1."),
+        click.option("--ctx", "-c", "n_ctx", type=int, default=4096, show_default=True, help="Context size."),
+        click.option("--batch", "-b", "n_batch", type=int, default=2048, show_default=True),
+        click.option("--ubatch", "-ub", "n_ubatch", type=int, default=512, show_default=True),
+        click.option("--threads", "-t", "n_threads", type=int, default=None, help="Generation threads (default: llama.cpp's)."),
+        click.option("--threads-batch", "-tb", "n_threads_batch", type=int, default=None),
+        click.option("--flash-attn", "-fa", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True),
+        click.option("--cache-type-k", "-ctk", "type_k", default="f16", show_default=True),
+        click.option("--cache-type-v", "-ctv", "type_v", default="f16", show_default=True),
+        click.option("--no-kv-offload", "-nkvo", is_flag=True, help="Keep the KV cache on the host."),
+        click.option("--no-mmap", is_flag=True),
+        click.option("--mlock", is_flag=True),
+        click.option("--no-op-offload", is_flag=True),
+        click.option("--override-tensor", "-ot", "tensor_overrides", multiple=True,
+                     help="Regex of tensors kept on the CPU (repeatable), e.g. 'blk\\.[0-3]\\.ffn_.*'. A trailing =CPU is accepted."),
+        click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... used as devices."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def settings_from_options(model: str, opts: dict[str, Any]) -> Any:
+    from .settings import Settings
+
+    overrides = tuple(p[:-4] if p.upper().endswith("=CPU") else p for p in opts.pop("tensor_overrides", ()))
+    rpc = opts.pop("rpc", None)
+    return Settings(
+        model_path=str(Path(model)),
+        n_gpu_layers=opts.pop("n_gpu_layers"),
+        split_mode=opts.pop("split_mode"),
+        main_gpu=opts.pop("main_gpu"),
+        tensor_split=_floats(opts.pop("tensor_split")),
+        n_ctx=opts.pop("n_ctx"),
+        n_batch=opts.pop("n_batch"),
+        n_ubatch=opts.pop("n_ubatch"),
+        n_threads=opts.pop("n_threads"),
+        n_threads_batch=opts.pop("n_threads_batch"),
+        flash_attn=opts.pop("flash_attn"),
+        type_k=opts.pop("type_k"),
+        type_v=opts.pop("type_v"),
+        offload_kqv=not opts.pop("no_kv_offload"),
+        use_mmap=not opts.pop("no_mmap"),
+        use_mlock=opts.pop("mlock"),
+        op_offload=not opts.pop("no_op_offload"),
+        tensor_overrides=overrides,
+        rpc_servers=tuple(s for s in (rpc or "").split(",") if s),
+    )
+
+
+@cli.command("bench")
+@click.argument("model", type=click.Path())
+@settings_options
+@click.option("--n-prompt", "-p", type=int, default=512, show_default=True, help="Prompt tokens per pp sample.")
+@click.option("--n-gen", "-n", type=int, default=128, show_default=True, help="Generated tokens per tg sample.")
+@click.option("--depth", "-d", type=int, default=0, show_default=True, help="Tokens already in the context.")
+@click.option("--repetitions", "-r", type=int, default=3, show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Kill the trial after this many seconds.")
+@click.option("--memory-limit", "memory_limit_mib", type=int, default=None, help="Address-space cap for the worker, MiB.")
+@click.option("--log", "log_path", type=click.Path(), default=None, help="Also write llama.cpp's full log here.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: int, timeout_s: float,
+              memory_limit_mib: int | None, log_path: str | None, as_json: bool, **opts: Any) -> None:
+    """Run one trial: load MODEL in an isolated llama.cpp worker, measure pp and tg.
+
+    \b
+    Example:
+      offload-tuner bench model.gguf -ngl 20 -c 8192 -fa on -p 512 -n 128 -r 5
+    """
+    from .fingerprint import check_path, header_info
+    from .runner import BenchSpec, run_trial
+
+    check_path(model)
+    header_info(model)  # a bad file is a clear error here, not a trial outcome
+    settings = settings_from_options(model, opts)
+    if repetitions < 1:
+        raise click.BadParameter("at least 1", param_hint="--repetitions")
+    bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
+    result = run_trial(settings, bench, timeout_s=timeout_s,
+                       memory_limit=memory_limit_mib * MiB if memory_limit_mib else None)
+    if log_path:
+        Path(log_path).write_text(result.log, encoding="utf-8")
+    _emit(as_json, result.to_dict(), lambda: format_result(result))
+    if not result.ok:
+        sys.exit(1)
+
+
+def format_result(r: Any) -> str:
+    from .logparse import format_report
+
+    s = r.settings
+    head = (f"{Path(s.model_path).name} ngl={s.n_gpu_layers} ctx={s.n_ctx} b={s.n_batch} ub={s.n_ubatch} "
+            f"t={s.n_threads or 'default'} fa={s.flash_attn} kv={s.type_k}/{s.type_v}"
+            + (f" ts={','.join(map(str, s.tensor_split))}" if s.tensor_split else "")
+            + (f" ot={len(s.tensor_overrides)}" if s.tensor_overrides else "")
+            + (f" rpc={','.join(s.rpc_servers)}" if s.rpc_servers else ""))
+    lines = [head, f"outcome: {r.outcome.value}" + ("" if r.ok else f" - {r.message}")]
+    for name, stats, n in (("pp", r.pp, r.bench.n_prompt), ("tg", r.tg, r.bench.n_gen)):
+        if stats:
+            lines.append(f"{name}{n}{'@d' + str(r.bench.depth) if r.bench.depth else ''}: {stats.median:10.2f} t/s median, "
+                         f"{stats.mean:.2f} ± {stats.stddev:.2f} over {len(stats.samples)} runs")
+    if r.peak_rss:
+        lines.append(f"peak RSS: {r.peak_rss / MiB:.0f} MiB" + "".join(f", {d} {b / MiB:.0f} MiB" for d, b in r.peak_vram.items()))
+    lines.append(format_report(r.load))
+    return "\n".join(lines)
+
+
+@cli.command("parse-log")
+@click.argument("file", type=click.File("r", encoding="utf-8", errors="replace"))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def parse_log_cmd(file: Any, as_json: bool) -> None:
+    """What a llama.cpp log says: layers offloaded, buffers per device, KV, OOM, speed.
+
+    \b
+    Examples:
+      offload-tuner parse-log server.log
+      llama-cli -m model.gguf -ngl 99 2>&1 | offload-tuner parse-log -
+    """
+    from .logparse import format_report, parse_log
+
+    report = parse_log(file.read())
+    _emit(as_json, report.to_dict(), lambda: format_report(report))
+
+
+def _mount_optional() -> None:
+    """Subcommands that live in their own modules."""
+    try:
+        from .cli_profile import profile_group
+    except ImportError:
+        return
+    cli.add_command(profile_group)
+
+
+_mount_optional()
+
+
+def main() -> None:
+    cli(obj={})

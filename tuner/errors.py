@@ -1,0 +1,100 @@
+"""Every error the tuner raises on purpose.
+
+    TunerError
+    ├── ModelError                 the GGUF file cannot be used
+    │   ├── ModelNotFoundError     no such file, or a directory
+    │   ├── NotGGUFError           the file is not GGUF (bad magic)
+    │   ├── TruncatedGGUFError     the header or tensor data run past the end of the file
+    │   ├── EmptyModelError        a GGUF without tensors
+    │   └── UnsupportedArchitectureError  the sizing arithmetic lacks a key it needs
+    ├── SettingsError              a candidate setting is invalid (before any launch)
+    ├── RunnerError                the trial machinery itself failed (not a trial outcome)
+    ├── RPCError                   an RPC server could not be started or reached
+    ├── StudyError                 the tune loop cannot go on (e.g. no candidate fits)
+    └── ProfileError               a profile cannot be used
+        ├── ProfileValidationError a field is wrong (dotted path in the message)
+        ├── SchemaVersionError     a profile of an unknown major schema version
+        ├── NoMatchingProfileError no profile for this model on this machine
+        └── ProfileMismatchError   the profile does not fit this model file / this machine now
+
+Trial outcomes (oom, crash, timeout, ...) are not exceptions: see ``tuner.outcome``.
+"""
+
+from __future__ import annotations
+
+
+class TunerError(Exception):
+    """Root of every error the tuner raises on purpose."""
+
+
+class ModelError(TunerError):
+    """The model file cannot be used. The message names the file and the problem."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class ModelNotFoundError(ModelError):
+    pass
+
+
+class NotGGUFError(ModelError):
+    pass
+
+
+class TruncatedGGUFError(ModelError):
+    pass
+
+
+class EmptyModelError(ModelError):
+    pass
+
+
+class UnsupportedArchitectureError(ModelError):
+    pass
+
+
+class SettingsError(TunerError, ValueError):
+    """A candidate setting is invalid. ``field`` is a dotted path to it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class RunnerError(TunerError):
+    pass
+
+
+class RPCError(TunerError):
+    pass
+
+
+class StudyError(TunerError):
+    pass
+
+
+class ProfileError(TunerError):
+    pass
+
+
+class ProfileValidationError(ProfileError, ValueError):
+    """A profile field is wrong. ``field`` is its dotted path, e.g. ``settings.tensor_split[1]``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class SchemaVersionError(ProfileError):
+    pass
+
+
+class NoMatchingProfileError(ProfileError):
+    pass
+
+
+class ProfileMismatchError(ProfileError):
+    pass

@@ -1,0 +1,307 @@
+"""Memory arithmetic: bytes per device for weights, KV cache and compute buffers, before loading.
+
+Pure functions of a ``ModelInfo`` and a candidate's settings, following llama.cpp's placement
+rules (src/llama-model.cpp ``load_tensors``, 2026):
+
+- offload starts from the last layer, the output layer first:
+  ``i_gpu_start = max(n_layer + 1 - ngl, 0)``; layer ``n_layer`` is the output head and norm;
+- the offloaded layers are spread over the devices by the cumulative proportions of the tensor
+  split: layer ``il`` goes to the first device whose cumulative share exceeds
+  ``(il - i_gpu_start) / act_gpu_layers``;
+- token embeddings always stay on the host;
+- each layer's KV cache lives with the layer (unless ``offload_kqv`` is off), with
+  ``n_ctx`` padded to a multiple of 256 cells, sliding-window layers holding
+  ``min(n_ctx, n_swa + n_ubatch)`` cells;
+- tensors matching a ``tensor_overrides`` pattern stay on the host.
+
+Compute buffers are llama.cpp's graph allocator peaks; we model them from the largest live
+intermediates (attention scores or flash-attention tiles, FFN activations, logits), calibrated
+against the sizes llama.cpp prints (see the closing note of the foundation issue for errors).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from .errors import SettingsError
+from .model import KV_TYPE_BLOCKS, ModelInfo
+
+CPU = "CPU"
+MiB = 1 << 20
+
+
+def pad(value: int, multiple: int) -> int:
+    return ((value + multiple - 1) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+    def to_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "kv": self.kv, "compute": self.compute, "total": self.total}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    devices: dict[str, DeviceMemory]
+    n_gpu_layers: int
+    layers: dict[str, int]  # device -> repeating layers placed there (output layer not counted)
+    output_device: str
+    n_ctx: int  # after llama.cpp's padding
+    kv_type: tuple[str, str]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def layers_offloaded(self) -> int:
+        """As llama.cpp prints it: ``offloaded X/Y layers`` where Y = n_layer + 1."""
+        return sum(n for d, n in self.layers.items() if d != CPU) + (0 if self.output_device == CPU else 1)
+
+    def fits(self, free: Mapping[str, int], margin: int = 0) -> list[str]:
+        """Devices where the estimate exceeds ``free - margin`` (empty list: it fits)."""
+        over = []
+        for name, mem in self.devices.items():
+            if name in free and mem.total > free[name] - margin:
+                over.append(name)
+        return over
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "devices": {name: mem.to_dict() for name, mem in self.devices.items()},
+            "n_gpu_layers": self.n_gpu_layers,
+            "layers": dict(self.layers),
+            "output_device": self.output_device,
+            "layers_offloaded": self.layers_offloaded,
+            "n_ctx": self.n_ctx,
+            "type_k": self.kv_type[0],
+            "type_v": self.kv_type[1],
+            "notes": list(self.notes),
+        }
+
+
+def layer_devices(n_layer: int, n_gpu_layers: int, devices: Sequence[str], tensor_split: Sequence[float] | None = None) -> list[str]:
+    """The device of each layer 0..n_layer (the last index is the output layer)."""
+    ngl = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
+    if not devices:
+        return [CPU] * (n_layer + 1)
+    split = list(tensor_split) if tensor_split else [1.0] * len(devices)
+    if len(split) < len(devices):
+        split += [0.0] * (len(devices) - len(split))
+    split = split[: len(devices)]
+    if sum(split) <= 0:
+        split = [1.0] * len(devices)
+    total = float(sum(split))
+    cumulative, acc = [], 0.0
+    for part in split:
+        acc += part
+        cumulative.append(acc / total)
+    i_gpu_start = max(n_layer + 1 - ngl, 0)
+    act = min(ngl, n_layer + 1)
+    out = []
+    for il in range(n_layer + 1):
+        if il < i_gpu_start or (il - i_gpu_start) >= act:
+            out.append(CPU)
+            continue
+        x = float(il - i_gpu_start) / act
+        # std::upper_bound: first cumulative share strictly greater than x
+        index = next((i for i, c in enumerate(cumulative) if c > x), len(devices) - 1)
+        out.append(devices[min(index, len(devices) - 1)])
+    return out
+
+
+def _matches(patterns: Sequence[re.Pattern[str]], name: str) -> bool:
+    return any(p.search(name) for p in patterns)
+
+
+def compute_buffer(
+    model: ModelInfo,
+    *,
+    n_ctx: int,
+    n_ubatch: int,
+    flash_attn: bool,
+    has_output: bool = True,
+    has_layers: bool = True,
+) -> int:
+    """llama.cpp's compute buffer for one backend that runs repeating layers and/or the output.
+
+    The worst-case graph reserved at context creation has ``n_ubatch`` tokens against all
+    ``n_ctx`` cells, every token an output. The graph allocator reuses memory between layers,
+    so the buffer is the KQ mask plus the largest stage:
+
+    - attention: without flash attention the f32 scores (``n_ctx * n_ubatch * n_head``), plus
+      Q, K, V and four n_embd-wide rows per token;
+    - FFN: gate, up and their product per token (per used expert in an MoE);
+    - output: the f32 logits of every token, plus five n_embd-wide rows.
+
+    Fitted to the sizes llama.cpp 0.3.36's ``sched_reserve`` prints for dense and MoE models
+    (benchmarks/estimate_accuracy.py measures the error).
+    """
+    ub = n_ubatch
+    f32 = 4
+    n_q = model.n_head * model.head_size_k
+    n_kv_embd = model.n_head_kv * model.head_size_k + model.n_head_kv * model.head_size_v
+    mask = n_ctx * ub * (2 if flash_attn else 4)
+    stages = [0]
+    if has_layers:
+        scores = 0 if flash_attn else n_ctx * ub * model.n_head * f32
+        stages.append(scores + ub * (n_q + n_kv_embd + 4 * model.n_embd) * f32)
+        n_ff = model.n_ff or 4 * model.n_embd
+        if model.is_moe:
+            stages.append(ub * (4 * model.expert_used_count * n_ff + 4 * model.n_embd + model.expert_count) * f32)
+        else:
+            stages.append(ub * (3 * n_ff + 2 * model.n_embd) * f32)
+    if has_output:
+        stages.append(ub * (model.n_vocab + 5 * model.n_embd) * f32)
+    return mask + max(stages)
+
+
+def estimate(
+    model: ModelInfo,
+    *,
+    n_gpu_layers: int = 0,
+    n_ctx: int = 4096,
+    type_k: str = "f16",
+    type_v: str | None = None,
+    tensor_split: Sequence[float] | None = None,
+    devices: Sequence[str] | None = None,
+    n_ubatch: int = 512,
+    flash_attn: bool = True,
+    offload_kqv: bool = True,
+    tensor_overrides: Iterable[str] = (),
+    swa_full: bool = False,
+) -> MemoryEstimate:
+    """Bytes per device (``CPU`` plus each accelerator) for one candidate setting.
+
+    ``devices`` are the accelerator names as llama.cpp prints them (``CUDA0``, ``RPC0[host:port]``);
+    the default is one device ``GPU0``, or ``GPU0..GPUn-1`` for an n-way ``tensor_split``.
+    ``n_gpu_layers=-1`` means all.
+    """
+    type_v = type_v or type_k
+    for name, value in (("type_k", type_k), ("type_v", type_v)):
+        if value not in KV_TYPE_BLOCKS:
+            raise SettingsError(name, f"expected one of {', '.join(KV_TYPE_BLOCKS)}, got {value!r}")
+    if n_ctx <= 0:
+        n_ctx = model.n_ctx_train
+    if devices is None:
+        count = len(tensor_split) if tensor_split else 1
+        devices = [f"GPU{i}" for i in range(count)] if n_gpu_layers != 0 else []
+    devices = list(devices)
+    if tensor_split is not None and devices and len(tensor_split) > len(devices):
+        raise SettingsError("tensor_split", f"{len(tensor_split)} proportions for {len(devices)} devices")
+    n_layer = model.n_layer
+    placement = layer_devices(n_layer, n_gpu_layers, devices, tensor_split)
+    patterns = [re.compile(p) for p in tensor_overrides]
+    weights: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
+    kv: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
+    layers: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
+
+    # Weights: tensor by tensor, so overrides apply exactly.
+    block = re.compile(r"^blk\.(\d+)\.")
+    for tensor in model.tensors:
+        m = block.match(tensor.name)
+        if m and int(m.group(1)) < n_layer:
+            device = placement[int(m.group(1))]
+        elif tensor.name.startswith(("output.", "output_norm.")):
+            device = placement[n_layer]
+        else:
+            device = CPU  # token embeddings and anything else outside the blocks stay on the host
+        if device != CPU and _matches(patterns, tensor.name):
+            device = CPU
+        weights[device] += tensor.n_bytes
+    for il in range(n_layer):
+        layers[placement[il]] += 1
+
+    # KV cache, per layer, padded cells.
+    cells = pad(n_ctx, 256)
+    swa = set(model.swa_layers)
+    swa_cells = cells if swa_full or not model.sliding_window else pad(min(cells, model.sliding_window + n_ubatch), 256)
+    for il in range(n_layer):
+        per_token = model.kv_bytes_per_token_layer(il, type_k, type_v)
+        device = placement[il] if offload_kqv else CPU
+        kv[device] += per_token * (swa_cells if il in swa else cells)
+
+    # Compute buffers: each backend that runs layers reserves its own; the host always has one
+    # for the inputs (embeddings get_rows, masks) at least.
+    compute: dict[str, int] = {}
+    for device in [CPU, *devices]:
+        runs_layers = layers[device] > 0
+        runs_output = placement[n_layer] == device
+        if device == CPU:
+            if runs_layers or runs_output:
+                compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                                                 has_output=runs_output, has_layers=runs_layers)
+            else:
+                # fully offloaded: the host keeps the input embeddings and the masks
+                compute[device] = n_ubatch * model.n_embd * 4 + cells * n_ubatch * 4
+        elif runs_layers or runs_output:
+            compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                                             has_output=runs_output, has_layers=runs_layers)
+        else:
+            compute[device] = 0
+
+    notes = []
+    if patterns:
+        notes.append(f"{len(patterns)} tensor override pattern(s) keep matching tensors on the host")
+    if not offload_kqv:
+        notes.append("offload_kqv is off: the whole KV cache stays on the host")
+    out = {
+        d: DeviceMemory(weights=weights[d], kv=kv[d], compute=compute.get(d, 0))
+        for d in [CPU, *devices]
+    }
+    return MemoryEstimate(
+        devices=out,
+        n_gpu_layers=n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1),
+        layers=layers,
+        output_device=placement[n_layer],
+        n_ctx=cells,
+        kv_type=(type_k, type_v),
+        notes=tuple(notes),
+    )
+
+
+def max_gpu_layers(
+    model: ModelInfo,
+    free: Mapping[str, int],
+    *,
+    margin: int = 512 * MiB,
+    **settings: Any,
+) -> int:
+    """The most layers (0..n_layer+1) whose estimate fits every device in ``free`` less ``margin``.
+
+    ``free`` maps accelerator names (as passed in ``devices``) to free bytes; a ``CPU`` entry, if
+    present, is checked too. Returns 0 when even one layer does not fit.
+    """
+    devices = settings.pop("devices", None) or [d for d in free if d != CPU]
+    best = 0
+    # Memory grows with n_gpu_layers on the accelerators, so the largest that fits is found by
+    # scanning up (n_layer is at most a few hundred; each step is cheap arithmetic).
+    for ngl in range(0, model.n_layer + 2):
+        est = estimate(model, n_gpu_layers=ngl, devices=devices, **settings)
+        over = [d for d in est.fits(free, margin) if d != CPU]
+        if over:
+            break
+        best = ngl
+    return best
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+    lines = [
+        f"n_gpu_layers {est.n_gpu_layers}: offloaded {est.layers_offloaded}/{sum(est.layers.values()) + 1} layers, "
+        f"n_ctx {est.n_ctx}, KV {est.kv_type[0]}/{est.kv_type[1]}",
+        f"  {'device':<24} {'weights':>10} {'kv':>10} {'compute':>10} {'total':>10}  (MiB)",
+    ]
+    for name, mem in est.devices.items():
+        lines.append(
+            f"  {name:<24} {mem.weights / MiB:>10.2f} {mem.kv / MiB:>10.2f} {mem.compute / MiB:>10.2f} {mem.total / MiB:>10.2f}"
+        )
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""ctypes access to the ggml libraries that llama.cpp itself uses (trial worker and apps only).
+
+llama-cpp-python's wheel ships ``libggml.so``, ``libggml.so.0`` and ``libggml.so.0.25.3`` as
+separate copies, not links. ``libllama.so`` links the ``.so.0`` names, so those are the ones to
+load: a call into another copy reaches a device registry and buffer types llama.cpp never sees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from functools import lru_cache
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+
+def lib_dir() -> str:
+    import llama_cpp
+
+    return os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+
+
+def _candidates(stem: str) -> list[str]:
+    if sys.platform == "darwin":
+        return [f"lib{stem}.0.dylib", f"lib{stem}.dylib"]
+    if sys.platform == "win32":
+        return [f"{stem}.dll"]
+    return [f"lib{stem}.so.0", f"lib{stem}.so"]
+
+
+@lru_cache(maxsize=None)
+def load(stem: str) -> ctypes.CDLL:
+    """Load ``libggml``, ``libggml-base`` or ``libggml-rpc`` by the name libllama links."""
+    import llama_cpp  # noqa: F401  (loads libllama first, so its ggml copies are the ones mapped)
+
+    errors = []
+    for name in _candidates(stem):
+        path = os.path.join(lib_dir(), name)
+        if os.path.exists(path):
+            try:
+                return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                errors.append(f"{name}: {exc}")
+    raise OSError(f"cannot load {stem} from {lib_dir()}: " + ("; ".join(errors) or "not found"))
+
+
+@lru_cache(maxsize=None)
+def cpu_buffer_type() -> int:
+    """``ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(CPU))`` as an address."""
+    ggml = load("ggml")
+    base = load("ggml-base")
+    ggml.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    base.ggml_backend_dev_buffer_type.restype = ctypes.c_void_p
+    base.ggml_backend_dev_buffer_type.argtypes = [ctypes.c_void_p]
+    dev = ggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        raise OSError("llama.cpp has no CPU device registered")
+    buft = base.ggml_backend_dev_buffer_type(dev)
+    if not buft:
+        raise OSError("the CPU device has no buffer type")
+    return buft
+
+
+class TensorBuftOverride(ctypes.Structure):
+    # struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; };
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+class OverrideArray:
+    """A NULL-terminated array of overrides, kept alive as long as this object lives."""
+
+    def __init__(self, patterns: tuple[str, ...] | list[str]) -> None:
+        buft = cpu_buffer_type()
+        self._patterns = [p.encode() for p in patterns]
+        self.array = (TensorBuftOverride * (len(self._patterns) + 1))()
+        for i, pattern in enumerate(self._patterns):
+            self.array[i].pattern = pattern
+            self.array[i].buft = buft
+        self.array[len(self._patterns)].pattern = None
+        self.array[len(self._patterns)].buft = None
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
+def list_devices() -> list[dict]:
+    """Every device llama.cpp's registry holds now: name, description, type, memory."""
+    ggml = load("ggml")
+    base = load("ggml-base")
+    ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
+    ggml.ggml_backend_dev_get.restype = ctypes.c_void_p
+    ggml.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for fn in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(base, fn).restype = ctypes.c_char_p
+        getattr(base, fn).argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_type.restype = ctypes.c_int
+    base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_dev_memory.restype = None
+    base.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    out = []
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        out.append(
+            {
+                "name": (base.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
+                "description": (base.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
+                "type": ["cpu", "gpu", "igpu", "accel", "meta"][base.ggml_backend_dev_type(dev)]
+                if 0 <= base.ggml_backend_dev_type(dev) < 5
+                else str(base.ggml_backend_dev_type(dev)),
+                "memory_free": int(free.value),
+                "memory_total": int(total.value),
+            }
+        )
+    return out

@@ -1,0 +1,399 @@
+"""What a GGUF file is, from its header alone: shapes, quantization, and what every part costs.
+
+``inspect(path)`` reads the GGUF metadata and tensor table (the ``gguf`` package) and returns a
+``ModelInfo``: the architecture's hyperparameters, bytes per repeating layer split by role
+(attention, FFN, MoE experts, norms), the non-repeating tensors (token embedding, output head
+and norm), and KV cache bytes per token for each KV cache type. The memory arithmetic
+(``tuner.estimate``) stands on it.
+
+Split models (``name-00001-of-00003.gguf``) are read part by part.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EmptyModelError, ModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
+from .fingerprint import check_path, header_info, model_fingerprint, split_parts
+
+# ggml type -> (block size, bytes per block): ggml/src/ggml.c type_traits. Used for the KV cache.
+KV_TYPE_BLOCKS: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+    "iq4_nl": (32, 18),
+}
+
+# The role of a tensor inside a repeating block, by its name (llama.cpp's LLM_TENSOR_* names,
+# src/llama-arch.cpp). Order matters: expert tensors before the plain FFN pattern.
+_ROLE_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    ("experts", re.compile(r"\.ffn_(gate|up|down|gate_up)_(exps|shexp|chexps)\b|\.ffn_gate_inp(_shexp)?\b|\.exp_probs_b\b")),
+    ("norms", re.compile(r"_norm(_\w+)?\.(weight|bias)$|\.layer_output_norm|\.ln_\d|\.norm\.")),
+    ("attention", re.compile(r"\.attn_|\.(q|k|v|o|qkv)_proj|\.wq|\.wk|\.wv|\.wo|\.ssm_|\.time_mix|\.attn\.|\.pos_|\.rel_")),
+    ("ffn", re.compile(r"\.ffn_|\.channel_mix|\.mlp|\.w[123]\b")),
+]
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+_NONREPEATING = {
+    "token_embd": "token_embd",
+    "output": "output",
+    "output_norm": "output_norm",
+}
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    attention: int = 0
+    ffn: int = 0
+    experts: int = 0
+    norms: int = 0
+    other: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.ffn + self.experts + self.norms + self.other
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type: str  # ggml type name, e.g. Q4_K
+    shape: tuple[int, ...]  # ggml order (ne0 first)
+    n_bytes: int
+    n_elements: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    architecture: str
+    name: str | None
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_head_kv_per_layer: tuple[int, ...]
+    head_size_k: int
+    head_size_v: int
+    n_ctx_train: int
+    n_vocab: int
+    n_ff: int | None
+    expert_count: int
+    expert_used_count: int
+    file_type: int | None
+    quantization: str
+    n_params: int
+    file_size: int
+    n_tensors: int
+    split_count: int
+    layer_bytes: tuple[LayerBytes, ...]  # per repeating layer
+    nonrepeating_bytes: dict[str, int]  # token_embd, output, output_norm, other
+    kv_bytes_per_token: dict[str, int]  # KV cache type -> bytes per token, all layers, K and V
+    kv_layers: tuple[int, ...]  # layers that hold a KV cache (not all do in some architectures)
+    sliding_window: int | None
+    swa_layers: tuple[int, ...]
+    header_hash: str
+    tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type -> count
+    tensors: tuple[TensorInfo, ...] = field(default=(), repr=False)
+
+    @property
+    def bytes_per_layer(self) -> int:
+        """Average bytes of one repeating layer."""
+        return sum(l.total for l in self.layer_bytes) // max(1, len(self.layer_bytes))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.expert_count > 0
+
+    def kv_bytes_per_token_layer(self, layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
+        """KV bytes one token costs in one layer for the given cache types (0 for a KV-less layer)."""
+        if layer not in self.kv_layers:
+            return 0
+        n_kv = self.n_head_kv_per_layer[layer] if self.n_head_kv_per_layer else self.n_head_kv
+        return _row_size(type_k, self.head_size_k * n_kv) + _row_size(type_v, self.head_size_v * n_kv)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "file_name": Path(self.path).name,
+            "size": self.file_size,
+            "header_hash": self.header_hash,
+            "architecture": self.architecture,
+            "quantization": self.quantization,
+            "n_layer": self.n_layer,
+        }
+
+    def same_model_as(self, other: "ModelInfo") -> str | None:
+        """None if ``other`` is the same model in another quantization; else why not."""
+        for key in ("architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "n_vocab", "n_ff", "expert_count"):
+            mine, theirs = getattr(self, key), getattr(other, key)
+            if mine != theirs:
+                return f"{key} differs ({theirs} in {Path(other.path).name}, {mine} in {Path(self.path).name})"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("tensors")
+        out["layer_bytes"] = [asdict(l) | {"total": l.total} for l in self.layer_bytes]
+        out["bytes_per_repeating_layer"] = {
+            role: sum(getattr(l, role) for l in self.layer_bytes) // max(1, self.n_layer)
+            for role in ("attention", "ffn", "experts", "norms", "other")
+        }
+        out["bytes_per_repeating_layer"]["total"] = self.bytes_per_layer
+        out["head_sizes"] = {"k": self.head_size_k, "v": self.head_size_v}
+        return out
+
+
+def _row_size(type_name: str, n: int) -> int:
+    block, size = KV_TYPE_BLOCKS[type_name]
+    return (n // block) * size
+
+
+def _role(name: str) -> str:
+    for role, pattern in _ROLE_PATTERNS:
+        if pattern.search(name):
+            return role
+    return "other"
+
+
+def _field(reader: Any, key: str) -> Any:
+    f = reader.get_field(key)
+    if f is None:
+        return None
+    value = f.contents()
+    return value
+
+
+def inspect(path: str | Any) -> ModelInfo:
+    """Read a GGUF model's facts and sizes. Raises a ``ModelError`` subclass on bad input."""
+    import gguf
+
+    first = check_path(path)
+    parts = split_parts(first)
+    for part in parts:
+        if not part.exists():
+            raise ModelNotFoundError(part, f"part of the split model {first.name} is missing; all {len(parts)} parts must sit side by side")
+    info = header_info(first)  # clear errors for bad magic / truncated header before numpy sees it
+    readers = []
+    for part in parts:
+        _check_tensor_data(part, header_info(part))
+        try:
+            readers.append(gguf.GGUFReader(str(part), "r"))
+        except (ValueError, IndexError, OSError) as exc:
+            raise TruncatedGGUFError(part, f"cannot read the GGUF tensor table ({exc}); the file is damaged or truncated") from None
+    reader = readers[0]
+    arch = _field(reader, "general.architecture")
+    if not arch:
+        raise UnsupportedArchitectureError(first, "no general.architecture key; this GGUF does not describe a model")
+    arch = str(arch)
+
+    tensors: list[TensorInfo] = []
+    file_size = 0
+    for part, r in zip(parts, readers):
+        size = part.stat().st_size
+        file_size += size
+        for t in r.tensors:
+            end = int(t.data_offset) + int(t.n_bytes)
+            if end > size:
+                raise TruncatedGGUFError(
+                    part,
+                    f"truncated GGUF: tensor {t.name} ends at byte {end} but the file has {size} bytes; re-download or re-convert it",
+                )
+            tensors.append(
+                TensorInfo(
+                    name=t.name,
+                    type=gguf.GGMLQuantizationType(int(t.tensor_type)).name,
+                    shape=tuple(int(x) for x in t.shape),
+                    n_bytes=int(t.n_bytes),
+                    n_elements=int(t.n_elements),
+                )
+            )
+    if not tensors:
+        raise EmptyModelError(first, "the GGUF holds no tensors (a vocabulary-only or metadata-only file?); it cannot be run")
+
+    def key(name: str, required: bool = True, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{name}")
+        if value is None:
+            if required:
+                raise UnsupportedArchitectureError(
+                    first, f"cannot size architecture {arch!r}: the GGUF lacks {arch}.{name}"
+                )
+            return default
+        return value
+
+    n_layer = int(key("block_count"))
+    n_embd = int(key("embedding_length"))
+    n_head_raw = key("attention.head_count")
+    n_head = int(max(n_head_raw)) if isinstance(n_head_raw, list) else int(n_head_raw)
+    kv_raw = key("attention.head_count_kv", required=False, default=n_head_raw)
+    if isinstance(kv_raw, list):
+        kv_per_layer = tuple(int(x) for x in kv_raw)
+    else:
+        kv_per_layer = tuple([int(kv_raw)] * n_layer)
+    n_head_kv = max(kv_per_layer) if kv_per_layer else n_head
+    if n_head == 0:
+        raise UnsupportedArchitectureError(first, f"cannot size architecture {arch!r}: {arch}.attention.head_count is 0")
+    head_k = int(key("attention.key_length", required=False, default=n_embd // n_head))
+    head_v = int(key("attention.value_length", required=False, default=n_embd // n_head))
+    n_ctx_train = int(key("context_length"))
+    n_ff_raw = key("feed_forward_length", required=False)
+    n_ff = (int(max(n_ff_raw)) if isinstance(n_ff_raw, list) else int(n_ff_raw)) if n_ff_raw is not None else None
+    expert_count = int(key("expert_count", required=False, default=0) or 0)
+    expert_used = int(key("expert_used_count", required=False, default=0) or 0)
+    sliding_window = key("attention.sliding_window", required=False)
+    sliding_window = int(sliding_window) if sliding_window else None
+    swa_layers = _swa_layers(reader, arch, n_layer, sliding_window)
+
+    layer_roles: list[dict[str, int]] = [dict(attention=0, ffn=0, experts=0, norms=0, other=0) for _ in range(n_layer)]
+    nonrep = {"token_embd": 0, "output": 0, "output_norm": 0, "other": 0}
+    type_counts: dict[str, int] = {}
+    has_output = False
+    for t in tensors:
+        type_counts[t.type] = type_counts.get(t.type, 0) + 1
+        m = _BLOCK_RE.match(t.name)
+        if m and int(m.group(1)) < n_layer:
+            layer_roles[int(m.group(1))][_role(t.name)] += t.n_bytes
+            continue
+        base = t.name.rsplit(".", 1)[0]
+        if base in _NONREPEATING:
+            nonrep[_NONREPEATING[base]] += t.n_bytes
+            has_output = has_output or base == "output"
+        else:
+            nonrep["other"] += t.n_bytes
+
+    # Layers with a KV cache: those with K/V projections (or fused QKV); in recurrent and
+    # hybrid models some layers carry none.
+    kv_layers = tuple(
+        i
+        for i in range(n_layer)
+        if any(t.name.startswith(f"blk.{i}.attn_k") or t.name.startswith(f"blk.{i}.attn_qkv") for t in tensors)
+        and kv_per_layer[i] > 0
+    )
+    if not kv_layers and arch in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3"):
+        raise UnsupportedArchitectureError(first, f"cannot size the KV cache: no attn_k tensors found in {arch!r}")
+
+    quant_name = _quantization_name(_field(reader, "general.file_type"), type_counts)
+    n_params = sum(t.n_elements for t in tensors)
+    name = _field(reader, "general.name")
+    vocab = _field(reader, "tokenizer.ggml.tokens")
+    n_vocab = int(key("vocab_size", required=False, default=0) or 0) or (len(vocab) if vocab is not None else 0)
+
+    result = ModelInfo(
+        path=str(first),
+        architecture=arch,
+        name=str(name) if name is not None else None,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_head_kv_per_layer=kv_per_layer,
+        head_size_k=head_k,
+        head_size_v=head_v,
+        n_ctx_train=n_ctx_train,
+        n_vocab=n_vocab,
+        n_ff=n_ff,
+        expert_count=expert_count,
+        expert_used_count=expert_used,
+        file_type=int(_field(reader, "general.file_type")) if _field(reader, "general.file_type") is not None else None,
+        quantization=quant_name,
+        n_params=n_params,
+        file_size=file_size,
+        n_tensors=len(tensors),
+        split_count=len(parts),
+        layer_bytes=tuple(LayerBytes(**r) for r in layer_roles),
+        nonrepeating_bytes=nonrep,
+        kv_bytes_per_token={},
+        kv_layers=kv_layers,
+        sliding_window=sliding_window,
+        swa_layers=swa_layers,
+        header_hash=model_fingerprint(first)["header_hash"],
+        tensor_types=type_counts,
+        tensors=tuple(tensors),
+    )
+    kv = {
+        t: sum(result.kv_bytes_per_token_layer(i, t, t) for i in range(n_layer))
+        for t in KV_TYPE_BLOCKS
+        if all((head_k * n) % KV_TYPE_BLOCKS[t][0] == 0 and (head_v * n) % KV_TYPE_BLOCKS[t][0] == 0 for n in kv_per_layer if n)
+    }
+    object.__setattr__(result, "kv_bytes_per_token", kv)
+    del info
+    return result
+
+
+def _check_tensor_data(path: Path, header: dict) -> None:
+    """Every tensor's bytes must lie inside the file (a cut download fails here, by name)."""
+    import gguf
+
+    size = header["size"]
+    for name, dims, ggml_type, offset in header["tensors"]:
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+        except (ValueError, KeyError):
+            raise NotGGUFError(path, f"tensor {name} has an unknown ggml type {ggml_type}; this gguf package is older than the file") from None
+        n = 1
+        for d in dims:
+            n *= d
+        end = header["data_offset"] + offset + n // block * type_size
+        if end > size:
+            raise TruncatedGGUFError(
+                path, f"truncated GGUF: tensor {name} ends at byte {end} but the file has {size} bytes; re-download or re-convert it"
+            )
+
+
+def _swa_layers(reader: Any, arch: str, n_layer: int, window: int | None) -> tuple[int, ...]:
+    if not window:
+        return ()
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per-layer booleans (newer converters)
+        return tuple(i for i, is_swa in enumerate(pattern) if is_swa)
+    # llama.cpp's defaults by architecture (src/llama-model.cpp, set_swa_pattern): every Nth
+    # layer is dense, the rest slide.
+    period = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "llama4": 4}.get(arch)
+    if isinstance(pattern, int) and pattern > 0:
+        period = pattern
+    if not period:
+        return tuple(range(n_layer))
+    return tuple(i for i in range(n_layer) if (i % period) < (period - 1))
+
+
+def _quantization_name(file_type: Any, type_counts: dict[str, int]) -> str:
+    import gguf
+
+    if file_type is not None:
+        try:
+            name = gguf.LlamaFileType(int(file_type)).name
+            return name.replace("MOSTLY_", "").replace("ALL_", "")
+        except ValueError:
+            pass
+    # No file type: name the most common type among 2-d weights.
+    return max(type_counts, key=type_counts.get) if type_counts else "unknown"
+
+
+def describe(info: ModelInfo) -> str:
+    """A few lines a person reads."""
+    mib = 1 << 20
+    lines = [
+        f"{Path(info.path).name}: {info.architecture} {info.quantization}, {info.n_params / 1e6:.1f} M params, {info.file_size / mib:.1f} MiB"
+        + (f" in {info.split_count} parts" if info.split_count > 1 else ""),
+        f"  layers {info.n_layer}, n_embd {info.n_embd}, heads {info.n_head} (KV {info.n_head_kv}), head size {info.head_size_k}/{info.head_size_v}, "
+        f"n_ff {info.n_ff}, vocab {info.n_vocab}, n_ctx_train {info.n_ctx_train}",
+    ]
+    if info.is_moe:
+        lines.append(f"  experts {info.expert_count}, {info.expert_used_count} used per token")
+    roles = {r: sum(getattr(l, r) for l in info.layer_bytes) / max(1, info.n_layer) / mib for r in ("attention", "ffn", "experts", "norms", "other")}
+    lines.append(
+        f"  per repeating layer: {info.bytes_per_layer / mib:.2f} MiB ("
+        + ", ".join(f"{r} {v:.2f}" for r, v in roles.items() if v)
+        + ")"
+    )
+    lines.append("  non-repeating: " + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in info.nonrepeating_bytes.items() if v))
+    lines.append("  KV per token: " + ", ".join(f"{t} {b / 1024:.1f} KiB" for t, b in info.kv_bytes_per_token.items()))
+    if info.sliding_window:
+        lines.append(f"  sliding window {info.sliding_window} on {len(info.swa_layers)} of {info.n_layer} layers")
+    return "\n".join(lines)

@@ -1,0 +1,1045 @@
+"""The profile: the winning way to run one model on one machine, as a versioned JSON document.
+
+A profile is data. It is parsed and validated field by field, errors name the dotted path of the bad
+field (``settings.tensor_split[1]: expected a proportion >= 0, got -1``), and nothing in it is ever
+executed or imported. The model path it records is the path on the machine that tuned: apps replace
+it with their own (see ``tuner.apps``).
+
+This module is light on purpose (apps import it): the standard library, ``tuner.settings`` and
+``tuner.paths`` only; no optuna, gguf, numpy or llama_cpp.
+
+Schema versions are ``MAJOR.MINOR``. An unknown major version is refused (``SchemaVersionError``). A
+newer minor version of the same major loads with a ``SchemaVersionWarning``; the keys this tool does not
+know are ignored, at any depth, and the warning names them. In the current or an older minor version an
+unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
+
+The document (schema 1.0); sizes are bytes, speeds tokens per second:
+
+=============================  ===============================================================================
+key                            meaning
+=============================  ===============================================================================
+``schema_version``             ``"1.0"``
+``tool_version``               the offload-tuner version that wrote it
+``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
+``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
+                               memory), ``cpu_model``, ``physical_cores``, ``logical_cores``, ``ram_total``,
+                               ``gpus`` (``[{index, name, uuid, memory_total, driver}]``),
+                               ``unified_memory``, ``system``, ``arch``
+``llama_build``                ``llama_cpp_python`` (version), ``llama_cpp_build`` (build number or commit),
+                               ``backends`` (list), ``gpu_offload``, ``rpc``
+``model``                      ``file_name``, ``size``, ``header_hash`` (sha256 of the GGUF header and tensor
+                               table), ``architecture``, ``quantization``, ``n_layer``
+``settings``                   every ``tuner.settings.Settings`` field (``model_path`` is the tuning machine's
+                               path: not trusted elsewhere; apps substitute their own)
+``min_ctx``                    the smallest context the user needs; degradation at load never goes below it
+``objective``                  ``"tg"``, ``"pp"`` or ``"mixed"``
+``measured``                   ``pp`` and ``tg``: ``{median, mean, stddev, ci_low, ci_high, samples}``;
+                               ``n_prompt``, ``n_gen``, ``depth`` (the benchmark's shape)
+``memory``                     ``predicted``: ``{device: {weights, kv, compute, total}}``; ``actual``:
+                               ``{device: {weights, kv, compute}}``; devices as llama.cpp names them:
+                               ``CPU``, ``CUDA0``, ``Metal``, ``Vulkan0``, ``RPC0[127.0.0.1:50052]``...
+``sizing``                     ``n_layer``, ``layer_weight_bytes`` and ``output_weight_bytes`` (per repeating
+                               layer and output layer), ``kv_bytes_per_token_per_layer``: lets an app
+                               re-plan memory at load without reading the GGUF
+``layers_offloaded``           layers llama.cpp reported on the GPU (``null`` if not reported)
+``layers_total``               layers llama.cpp counts (the repeating layers + the output layer)
+``runner_up``                  ``null``, or ``{settings, pp, tg}`` when the second best was within noise
+``trials``                     ``{run, pruned, oom, failed}``
+``study``                      ``null``, or ``{name, storage}`` of the Optuna study it came from
+=============================  ===============================================================================
+
+Files: one profile per file, ``<model stem>--<machine fingerprint>.json``, in the user's profile folder
+(``tuner.paths.profiles_dir()``) or any folder on the search path: ``OFFLOAD_TUNER_PROFILE_PATH``
+(``os.pathsep``-separated) after the user's folder. A bundle (``{bundle_version, created_at,
+tool_version, profiles: [...]}``) carries several profiles from one team member to another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, NamedTuple, Sequence, Union
+
+from .errors import ProfileError, ProfileValidationError, SchemaVersionError, SettingsError
+from .paths import ENV_PROFILE_PATH, atomic_write_text, profiles_dir
+from .settings import Settings
+
+if TYPE_CHECKING:
+    from .hardware import LlamaBuild, Machine
+
+SCHEMA_VERSION = "1.0"
+BUNDLE_VERSION = "1.0"
+OBJECTIVES = ("tg", "pp", "mixed")
+# A profile is a few KiB; refuse to parse anything absurd (a wrong file on the search path).
+MAX_PROFILE_BYTES = 16 << 20
+MAX_BUNDLE_BYTES = 256 << 20
+
+_VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
+_HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
+_UNSAFE_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+# -- warnings ----------------------------------------------------------------------------------------
+
+
+class ProfileWarning(UserWarning):
+    """Root of the warnings about profiles (filter this one to silence them all)."""
+
+
+class SchemaVersionWarning(ProfileWarning):
+    """The profile was written by a newer minor schema version; unknown keys were ignored."""
+
+
+class LlamaBuildWarning(ProfileWarning):
+    """The profile was measured with another llama.cpp build; its speed may differ here."""
+
+
+class ProfileAdjustedWarning(ProfileWarning):
+    """The profile was adjusted to fit this machine now (e.g. a smaller context)."""
+
+
+class ProfileDegradedWarning(ProfileAdjustedWarning):
+    """Fewer layers on the GPU than the profile chose: a partial offload, slower than measured."""
+
+
+# -- the document ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    index: int
+    name: str
+    uuid: str
+    memory_total: int
+    driver: str
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """The tuning machine, as recorded. ``fingerprint`` and ``hardware_class`` come from ``Machine``."""
+
+    fingerprint: str
+    hardware_class: str
+    cpu_model: str
+    physical_cores: int
+    logical_cores: int
+    ram_total: int
+    gpus: tuple[GPUInfo, ...]
+    unified_memory: bool
+    system: str
+    arch: str
+
+    @classmethod
+    def from_machine(cls, machine: "Machine") -> "MachineInfo":
+        return cls(
+            fingerprint=machine.fingerprint(),
+            hardware_class=machine.hardware_class(),
+            cpu_model=machine.cpu_model,
+            physical_cores=machine.physical_cores,
+            logical_cores=machine.logical_cores,
+            ram_total=machine.ram_total,
+            gpus=tuple(GPUInfo(g.index, g.name, g.uuid, g.memory_total, g.driver) for g in machine.gpus),
+            unified_memory=machine.unified_memory,
+            system=machine.system,
+            arch=machine.arch,
+        )
+
+    def describe(self) -> str:
+        """``'AMD Ryzen 9 7950X, 2x NVIDIA GeForce RTX 4090 (24.0 GiB)'`` for messages."""
+        return f"{self.cpu_model}, {describe_gpus([(g.name, g.memory_total) for g in self.gpus])}"
+
+
+@dataclass(frozen=True)
+class LlamaBuildInfo:
+    llama_cpp_python: str | None
+    llama_cpp_build: str | None
+    backends: tuple[str, ...]
+    gpu_offload: bool
+    rpc: bool
+
+    @classmethod
+    def from_build(cls, build: "LlamaBuild") -> "LlamaBuildInfo":
+        return cls(build.llama_cpp_python, build.llama_cpp_build, tuple(build.backends), build.gpu_offload, build.rpc)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model's identity (``tuner.fingerprint.model_fingerprint``) and the facts apps show."""
+
+    file_name: str
+    size: int
+    header_hash: str
+    architecture: str
+    quantization: str | None
+    n_layer: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Repeated measurements of one speed, in tokens per second."""
+
+    median: float
+    mean: float
+    stddev: float
+    ci_low: float
+    ci_high: float
+    samples: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Measured:
+    pp: Stats
+    tg: Stats
+    n_prompt: int
+    n_gen: int
+    depth: int
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device holds. ``total`` is recorded for predictions (it may include padding)."""
+
+    weights: int
+    kv: int
+    compute: int
+    total: int | None = None
+
+    @property
+    def need(self) -> int:
+        return self.total if self.total is not None else self.weights + self.kv + self.compute
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per device, keyed by llama.cpp's device name, in the order llama.cpp lists them."""
+
+    predicted: dict[str, DeviceMemory]
+    actual: dict[str, DeviceMemory]
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Per-layer averages for the chosen quantization and KV types, to re-plan memory at load."""
+
+    n_layer: int
+    layer_weight_bytes: int
+    output_weight_bytes: int
+    kv_bytes_per_token_per_layer: float
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    settings: Settings
+    pp: Stats
+    tg: Stats
+
+
+@dataclass(frozen=True)
+class Trials:
+    run: int
+    pruned: int
+    oom: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class StudyRef:
+    """Where the study lives (informational: a profile never opens it)."""
+
+    name: str
+    storage: str | None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One profile. Build it in code, then ``validate()``; or read one with ``read_profile``.
+
+    ``path`` (where it was read from) and ``degradation`` (what ``tuner.apps`` changed to make it fit
+    this machine now, in words; empty when nothing changed) are not part of the document.
+    """
+
+    tool_version: str
+    created_at: str
+    machine: MachineInfo
+    llama_build: LlamaBuildInfo
+    model: ModelInfo
+    settings: Settings
+    min_ctx: int
+    objective: str
+    measured: Measured
+    memory: Memory
+    sizing: Sizing
+    layers_total: int
+    trials: Trials
+    layers_offloaded: int | None = None
+    runner_up: RunnerUp | None = None
+    study: StudyRef | None = None
+    schema_version: str = SCHEMA_VERSION
+    path: str | None = field(default=None, compare=False)
+    degradation: tuple[str, ...] = field(default=(), compare=False)
+
+    # -- conversions ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Profile":
+        """Parse and validate a profile document. Raises ``ProfileValidationError`` (dotted path) or
+        ``SchemaVersionError``; warns ``SchemaVersionWarning`` for a newer minor version."""
+        if not isinstance(data, Mapping):
+            raise ProfileValidationError("profile", f"expected a JSON object, got {_kind(data)}")
+        version = _schema_version(data, "schema_version", "profile")
+        ctx = _Context(lenient=version[1] > _major_minor(SCHEMA_VERSION)[1])
+        profile = _parse_profile(data, ctx)
+        if ctx.lenient:
+            ignored = f"; ignoring what it does not know: {', '.join(ctx.ignored)}" if ctx.ignored else ""
+            warnings.warn(
+                f"profile schema {data['schema_version']} is newer than this tool ({SCHEMA_VERSION}); "
+                f"loading it{ignored}. Upgrade offload-tuner to use everything in it",
+                SchemaVersionWarning,
+                stacklevel=2,
+            )
+        return profile
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "tool_version": self.tool_version,
+            "created_at": self.created_at,
+            "machine": {**_asdict(self.machine), "gpus": [_asdict(g) for g in self.machine.gpus]},
+            "llama_build": {**_asdict(self.llama_build), "backends": list(self.llama_build.backends)},
+            "model": _asdict(self.model),
+            "settings": self.settings.to_dict(),
+            "min_ctx": self.min_ctx,
+            "objective": self.objective,
+            "measured": {
+                "pp": _stats_dict(self.measured.pp),
+                "tg": _stats_dict(self.measured.tg),
+                "n_prompt": self.measured.n_prompt,
+                "n_gen": self.measured.n_gen,
+                "depth": self.measured.depth,
+            },
+            "memory": {
+                "predicted": {name: _memory_dict(m) for name, m in self.memory.predicted.items()},
+                "actual": {name: _memory_dict(m) for name, m in self.memory.actual.items()},
+            },
+            "sizing": _asdict(self.sizing),
+            "layers_offloaded": self.layers_offloaded,
+            "layers_total": self.layers_total,
+            "runner_up": None
+            if self.runner_up is None
+            else {
+                "settings": self.runner_up.settings.to_dict(),
+                "pp": _stats_dict(self.runner_up.pp),
+                "tg": _stats_dict(self.runner_up.tg),
+            },
+            "trials": _asdict(self.trials),
+            "study": None if self.study is None else _asdict(self.study),
+        }
+
+    def validate(self) -> None:
+        """Check a profile built in code against the schema, as a reader will."""
+        type(self).from_dict(self.to_dict())
+
+    def replace(self, **changes: Any) -> "Profile":
+        return dataclasses.replace(self, **changes)
+
+    # -- identity and files --------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The name ``offload-tuner profile`` commands accept: the file's stem."""
+        return Path(self.path).stem if self.path else Path(self.default_filename()).stem
+
+    def default_filename(self) -> str:
+        stem = _UNSAFE_NAME_RE.sub("_", Path(self.model.file_name).stem).strip("._") or "model"
+        return f"{stem}--{self.machine.fingerprint}.json"
+
+    def identity(self) -> str:
+        """What makes two profiles the same: model header, machine, settings (not the model's path)."""
+        settings = self.settings.to_dict()
+        settings.pop("model_path")
+        key = {"header_hash": self.model.header_hash, "machine": self.machine.fingerprint, "settings": settings}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+
+    def write(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Validate, then write atomically; by default to the user's profile folder. Returns the path."""
+        self.validate()
+        target = Path(path) if path is not None else profiles_dir() / self.default_filename()
+        return atomic_write_text(target, self.to_json())
+
+    # -- for apps ------------------------------------------------------------------------------
+
+    def llama_kwargs(self, model_path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``llama_cpp.Llama``. ``model_path`` replaces the recorded path.
+
+        ``tensor_overrides`` and ``rpc_servers`` have no ``Llama`` keyword; ``tuner.apps.Llama``
+        applies them.
+        """
+        kwargs = self.settings.llama_kwargs()
+        if model_path is not None:
+            kwargs["model_path"] = os.fspath(model_path)
+        return kwargs
+
+    def cli_args(self, tool: str = "llama-server", model_path: str | os.PathLike[str] | None = None) -> list[str]:
+        """Flags for ``llama-server``, ``llama-cli`` or ``llama-bench``, as an argv list."""
+        return self.settings.cli_args(tool, model_path=None if model_path is None else os.fspath(model_path))
+
+
+def utc_now() -> str:
+    """Now, as ``created_at`` records it: ``2026-03-01T12:00:00Z``."""
+    return datetime.now(timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe_gpus(gpus: Sequence[tuple[str, int]]) -> str:
+    """``[(name, memory_total)]`` -> ``'2x NVIDIA GeForce RTX 4090 (24.0 GiB)'``, or ``'no GPU'``."""
+    if not gpus:
+        return "no GPU"
+    counts: dict[tuple[str, int], int] = {}
+    for gpu in gpus:
+        counts[gpu] = counts.get(gpu, 0) + 1
+    return " + ".join(
+        f"{n}x {name} ({gib(memory)})" if n > 1 else f"{name} ({gib(memory)})" for (name, memory), n in counts.items()
+    )
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / (1 << 30):.1f} GiB"
+
+
+# -- reading and writing files -----------------------------------------------------------------
+
+
+def read_profile(path: str | os.PathLike[str]) -> Profile:
+    """Read and validate one profile file. Its errors name the field, not the file: callers add it."""
+    data = _read_json(path, MAX_PROFILE_BYTES, "profile")
+    if isinstance(data, Mapping) and "bundle_version" in data:
+        raise ProfileError(
+            f"{os.fspath(path)} is a bundle of profiles, not a profile; "
+            f"import it with `offload-tuner profile import {os.fspath(path)}`"
+        )
+    return dataclasses.replace(Profile.from_dict(data), path=os.fspath(path))
+
+
+class ProfileEntry(NamedTuple):
+    """One file found on the search path: its profile, or why it could not be read."""
+
+    path: Path
+    result: Union[Profile, ProfileError]
+    origin: Path  # the search-path entry it was found in
+
+    @property
+    def profile(self) -> Profile | None:
+        return self.result if isinstance(self.result, Profile) else None
+
+    @property
+    def error(self) -> ProfileError | None:
+        return self.result if isinstance(self.result, ProfileError) else None
+
+
+SearchPath = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], None]
+
+
+def profile_search_path(search_path: SearchPath = None) -> list[Path]:
+    """Folders (or single files) to look for profiles in, first wins.
+
+    By default the user's folder, then each entry of ``OFFLOAD_TUNER_PROFILE_PATH`` (team folders: a
+    shared mount, a git checkout). An explicit ``search_path`` (a list, or an ``os.pathsep``-separated
+    string) is used as given, without the user's folder.
+    """
+    if search_path is None:
+        entries: list[str | os.PathLike[str]] = [profiles_dir()]
+        entries += [p for p in os.environ.get(ENV_PROFILE_PATH, "").split(os.pathsep) if p.strip()]
+    elif isinstance(search_path, (str, os.PathLike)):
+        entries = [p for p in os.fspath(search_path).split(os.pathsep) if p.strip()]
+    else:
+        entries = list(search_path)
+    seen: set[Path] = set()
+    out: list[Path] = []
+    for entry in entries:
+        path = Path(entry).expanduser()
+        key = path.resolve()
+        if key not in seen:
+            seen.add(key)
+            out.append(path)
+    return out
+
+
+def list_profiles(search_path: SearchPath = None) -> list[ProfileEntry]:
+    """Every ``*.json`` on the search path, in search-path order, each read (or its error)."""
+    found: list[ProfileEntry] = []
+    for origin in profile_search_path(search_path):
+        if origin.is_file():
+            files = [origin]
+        elif origin.is_dir():
+            files = sorted(p for p in origin.glob("*.json") if not p.name.startswith(".") and p.is_file())
+        else:
+            continue  # a team folder that is not mounted today is not an error
+        for path in files:
+            try:
+                result: Profile | ProfileError = read_profile(path)
+            except ProfileError as exc:
+                result = exc
+            found.append(ProfileEntry(path, result, origin))
+    return found
+
+
+def resolve_profile(ref: str | os.PathLike[str], search_path: SearchPath = None) -> Profile:
+    """A profile by path, or by name (a file stem from ``list_profiles``; the first one found wins)."""
+    text = os.fspath(ref)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return read_profile(path)
+    looks_like_path = text.endswith(".json") or "/" in text or os.sep in text
+    if not looks_like_path:
+        for entry in list_profiles(search_path):
+            if entry.path.stem == text:
+                if entry.error is not None:
+                    raise ProfileError(f"{entry.path}: {entry.error}")
+                assert entry.profile is not None
+                return entry.profile
+    folders = ", ".join(str(p) for p in profile_search_path(search_path)) or "(nothing)"
+    if looks_like_path:
+        raise ProfileError(f"{text}: no such profile file")
+    raise ProfileError(
+        f"no profile named {text!r}; searched {folders}. `offload-tuner profile list --all` shows every profile found"
+    )
+
+
+# -- bundles ---------------------------------------------------------------------------------------
+
+
+def write_bundle(profiles: Iterable[Profile], path: str | os.PathLike[str]) -> Path:
+    """One file carrying several profiles, for a teammate's ``import_bundle``."""
+    items = list(profiles)
+    for profile in items:
+        profile.validate()
+    document = {
+        "bundle_version": BUNDLE_VERSION,
+        "created_at": utc_now(),
+        "tool_version": tool_version(),
+        "profiles": [p.to_dict() for p in items],
+    }
+    return atomic_write_text(path, json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+class BundleItem(NamedTuple):
+    """One profile of a bundle: the parsed profile and its document as written, or why not."""
+
+    index: int
+    result: Union[Profile, ProfileError]
+    document: Mapping[str, Any] | None
+
+
+def read_bundle(path: str | os.PathLike[str]) -> list[BundleItem]:
+    """Read a bundle; each profile is validated on its own (errors say ``profiles[2].settings...``)."""
+    data = _read_json(path, MAX_BUNDLE_BYTES, "bundle")
+    where = os.fspath(path)
+    if not isinstance(data, Mapping) or "bundle_version" not in data:
+        raise ProfileError(f"{where} is not a bundle of profiles (no bundle_version); read a single profile with `offload-tuner profile show`")
+    _schema_version(data, "bundle_version", "bundle", expected=BUNDLE_VERSION)
+    profiles = data.get("profiles")
+    if not isinstance(profiles, list):
+        raise ProfileValidationError("profiles", f"expected a list of profiles, got {_kind(profiles)}")
+    items = []
+    for i, document in enumerate(profiles):
+        try:
+            profile: Profile | ProfileError = Profile.from_dict(document)
+        except ProfileValidationError as exc:
+            profile = ProfileValidationError(f"profiles[{i}].{exc.field}" if exc.field != "profile" else f"profiles[{i}]", _message(exc))
+        except ProfileError as exc:
+            profile = type(exc)(f"profiles[{i}]: {exc}")
+        items.append(BundleItem(i, profile, document if isinstance(profile, Profile) else None))
+    return items
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    """What ``import_bundle`` did with one profile of the bundle.
+
+    ``action`` is ``imported``, ``replaced`` (``force``), ``duplicate`` (the same model header, machine
+    and settings are already there), ``conflict`` (another profile has its file name; ``force``
+    replaces it) or ``invalid``.
+    """
+
+    index: int
+    action: str
+    path: Path | None
+    detail: str
+    profile: Profile | None = None
+
+
+def import_bundle(
+    bundle_path: str | os.PathLike[str],
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    search_path: SearchPath = None,
+) -> list[ImportResult]:
+    """Copy a bundle's valid profiles into ``dest`` (the user's folder by default).
+
+    Duplicates (by ``Profile.identity()``, against every profile on the search path and earlier in
+    the bundle) are reported and skipped; nothing is overwritten without ``force``. The profile's
+    document is written as it came (a newer minor version keeps its extra keys).
+    """
+    dest_dir = Path(dest) if dest is not None else profiles_dir()
+    existing: dict[str, Path] = {}
+    for entry in list_profiles([dest_dir, *profile_search_path(search_path)]):
+        if entry.profile is not None:
+            existing.setdefault(entry.profile.identity(), entry.path)
+    seen_in_bundle: dict[str, int] = {}
+    results = []
+    for item in read_bundle(bundle_path):
+        if isinstance(item.result, ProfileError):
+            results.append(ImportResult(item.index, "invalid", None, str(item.result)))
+            continue
+        profile, identity = item.result, item.result.identity()
+        target = dest_dir / profile.default_filename()
+        if identity in seen_in_bundle:
+            results.append(
+                ImportResult(item.index, "duplicate", None, f"same as profiles[{seen_in_bundle[identity]}] in this bundle", profile)
+            )
+            continue
+        seen_in_bundle[identity] = item.index
+        if identity in existing and not force:
+            results.append(
+                ImportResult(item.index, "duplicate", existing[identity], f"already present as {existing[identity]}", profile)
+            )
+            continue
+        replaced = target.exists()
+        if replaced and not force:
+            other = _describe_existing(target)
+            results.append(
+                ImportResult(item.index, "conflict", target, f"{target} exists with other settings ({other}); --force replaces it", profile)
+            )
+            continue
+        atomic_write_text(target, json.dumps(item.document, indent=2, allow_nan=False) + "\n")
+        results.append(
+            ImportResult(item.index, "replaced" if replaced else "imported", target, f"{profile.model.file_name} on {profile.machine.describe()}", profile)
+        )
+    return results
+
+
+def tool_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("offload-tuner")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _describe_existing(path: Path) -> str:
+    try:
+        profile = read_profile(path)
+    except ProfileError as exc:
+        return f"unreadable: {exc}"
+    return f"tuned {profile.created_at}"
+
+
+def _read_json(path: str | os.PathLike[str], limit: int, what: str) -> Any:
+    where = os.fspath(path)
+    try:
+        size = os.stat(where).st_size
+        if size > limit:
+            raise ProfileError(f"{where}: {size} bytes is too large for a {what} (at most {limit}); is it the right file?")
+        with open(where, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise ProfileError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise ProfileError(f"{where}: is a folder, not a {what} file") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"{where}: not a {what} (not UTF-8 text)") from None
+    except OSError as exc:
+        raise ProfileError(f"{where}: cannot read it: {exc.strerror}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except ValueError as exc:
+        raise ProfileError(f"{where}: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"not valid JSON ({name} is not a number JSON allows)")
+
+
+# -- parsing, field by field -------------------------------------------------------------------
+
+_MISSING: Any = object()
+
+
+@dataclass
+class _Context:
+    lenient: bool  # a newer minor version: unknown keys are ignored (and listed) instead of refused
+    ignored: list[str] = field(default_factory=list)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    match = _VERSION_RE.match(version)
+    assert match, version
+    return int(match[1]), int(match[2])
+
+
+def _schema_version(data: Mapping[str, Any], key: str, what: str, expected: str = SCHEMA_VERSION) -> tuple[int, int]:
+    if key not in data:
+        raise ProfileValidationError(key, "missing")
+    value = data[key]
+    match = _VERSION_RE.match(value) if isinstance(value, str) else None
+    if not match:
+        raise ProfileValidationError(key, f'expected "MAJOR.MINOR" such as "{expected}", got {value!r}')
+    major, minor = int(match[1]), int(match[2])
+    ours = _major_minor(expected)[0]
+    if major > ours:
+        raise SchemaVersionError(f"{what} schema {value} is newer than this tool understands ({ours}.x); upgrade offload-tuner")
+    if major < ours:
+        raise SchemaVersionError(f"{what} schema {value} is older than this tool understands ({ours}.x); tune the model again")
+    return major, minor
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if value is None:
+        return "null"
+    return repr(value)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _message(exc: SettingsError | ProfileValidationError) -> str:
+    # Both put "<field>: <message>" in args[0]; keep the message, the caller re-homes the field.
+    return str(exc)[len(exc.field) + 2 :]
+
+
+def _obj(value: Any, path: str, known: Sequence[str], ctx: _Context) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ProfileValidationError(path, f"expected an object, got {_kind(value)}")
+    unknown = [k for k in value if k not in known]
+    if unknown:
+        if not ctx.lenient:
+            raise ProfileValidationError(_join(path, str(unknown[0])), f"unknown key; expected one of: {', '.join(known)}")
+        ctx.ignored += [_join(path, str(k)) for k in unknown]
+    return value
+
+
+def _get(data: Mapping[str, Any], key: str, path: str, default: Any = _MISSING) -> Any:
+    if key in data:
+        return data[key]
+    if default is _MISSING:
+        raise ProfileValidationError(_join(path, key), "missing")
+    return default
+
+
+def _int(data: Mapping[str, Any], key: str, path: str, *, minimum: int | None = 0, nullable: bool = False, default: Any = _MISSING) -> Any:
+    value = _get(data, key, path, default)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        expected = "an integer" + (" or null" if nullable else "")
+        raise ProfileValidationError(_join(path, key), f"expected {expected}, got {_kind(value)}")
+    if minimum is not None and value < minimum:
+        raise ProfileValidationError(_join(path, key), f"expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def _number(value: Any, path: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ProfileValidationError(path, f"expected a number, got {_kind(value)}")
+    if value < 0:
+        raise ProfileValidationError(path, f"expected a number >= 0, got {value}")
+    return value
+
+
+def _str(data: Mapping[str, Any], key: str, path: str, *, nullable: bool = False, pattern: re.Pattern[str] | None = None, hint: str = "", default: Any = _MISSING) -> Any:
+    value = _get(data, key, path, default)
+    if value is None and nullable:
+        return None
+    if not isinstance(value, str) or (pattern is None and not value):
+        expected = "a non-empty string" + (" or null" if nullable else "")
+        raise ProfileValidationError(_join(path, key), f"expected {expected}, got {_kind(value)}")
+    if pattern is not None and not pattern.match(value):
+        raise ProfileValidationError(_join(path, key), f"expected {hint}, got {value!r}")
+    return value
+
+
+def _text(data: Mapping[str, Any], key: str, path: str) -> str:
+    """A string that may be empty (e.g. a GPU's uuid where the driver gave none)."""
+    value = _get(data, key, path)
+    if not isinstance(value, str):
+        raise ProfileValidationError(_join(path, key), f"expected a string, got {_kind(value)}")
+    return value
+
+
+def _bool(data: Mapping[str, Any], key: str, path: str) -> bool:
+    value = _get(data, key, path)
+    if not isinstance(value, bool):
+        raise ProfileValidationError(_join(path, key), f"expected true or false, got {_kind(value)}")
+    return value
+
+
+def _list(data: Mapping[str, Any], key: str, path: str) -> list[Any]:
+    value = _get(data, key, path)
+    if not isinstance(value, list):
+        raise ProfileValidationError(_join(path, key), f"expected a list, got {_kind(value)}")
+    return value
+
+
+def _created_at(data: Mapping[str, Any]) -> str:
+    value = _get(data, "created_at", "")
+    hint = "an ISO-8601 UTC time such as 2026-03-01T12:00:00Z"
+    if not isinstance(value, str):
+        raise ProfileValidationError("created_at", f"expected {hint}, got {_kind(value)}")
+    try:
+        # Python 3.10's fromisoformat does not take the "Z" suffix.
+        parsed = datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
+    except ValueError:
+        raise ProfileValidationError("created_at", f"expected {hint}, got {value!r}") from None
+    if parsed.utcoffset() != timezone.utc.utcoffset(None):
+        raise ProfileValidationError("created_at", f"expected {hint} (UTC, with its Z or +00:00), got {value!r}")
+    return value
+
+
+def _settings(value: Any, path: str, ctx: _Context) -> Settings:
+    if ctx.lenient and isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(Settings)}
+        ctx.ignored += [_join(path, str(k)) for k in value if k not in known]
+        value = {k: v for k, v in value.items() if k in known}
+    try:
+        return Settings.from_dict(value, prefix=path)
+    except SettingsError as exc:
+        raise ProfileValidationError(exc.field, _message(exc)) from None
+
+
+def _stats(value: Any, path: str, ctx: _Context) -> Stats:
+    data = _obj(value, path, ("median", "mean", "stddev", "ci_low", "ci_high", "samples"), ctx)
+    numbers = {k: _number(_get(data, k, path), _join(path, k)) for k in ("median", "mean", "stddev", "ci_low", "ci_high")}
+    if numbers["ci_low"] > numbers["ci_high"]:
+        raise ProfileValidationError(_join(path, "ci_low"), f"expected at most ci_high ({numbers['ci_high']}), got {numbers['ci_low']}")
+    samples = _list(data, "samples", path)
+    return Stats(**numbers, samples=tuple(_number(s, f"{path}.samples[{i}]") for i, s in enumerate(samples)))
+
+
+def _device_memory(value: Any, path: str, ctx: _Context, with_total: bool) -> DeviceMemory:
+    keys = ("weights", "kv", "compute", "total")
+    data = _obj(value, path, keys, ctx)
+    total = _int(data, "total", path, nullable=not with_total, default=None if not with_total else _MISSING)
+    return DeviceMemory(_int(data, "weights", path), _int(data, "kv", path), _int(data, "compute", path), total)
+
+
+def _devices(value: Any, path: str, ctx: _Context, with_total: bool) -> dict[str, DeviceMemory]:
+    if not isinstance(value, Mapping):
+        raise ProfileValidationError(path, f"expected an object of devices, got {_kind(value)}")
+    out = {}
+    for name, memory in value.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ProfileValidationError(path, f"expected device names such as CUDA0, got {name!r}")
+        out[name] = _device_memory(memory, f"{path}.{name}", ctx, with_total)
+    return out
+
+
+def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
+    top = _obj(
+        data,
+        "",
+        (
+            "schema_version", "tool_version", "created_at", "machine", "llama_build", "model", "settings",
+            "min_ctx", "objective", "measured", "memory", "sizing", "layers_offloaded", "layers_total",
+            "runner_up", "trials", "study",
+        ),
+        ctx,
+    )  # fmt: skip
+
+    m = _obj(
+        _get(top, "machine", ""),
+        "machine",
+        ("fingerprint", "hardware_class", "cpu_model", "physical_cores", "logical_cores", "ram_total", "gpus", "unified_memory", "system", "arch"),
+        ctx,
+    )
+    gpus = []
+    for i, g in enumerate(_list(m, "gpus", "machine")):
+        gp = f"machine.gpus[{i}]"
+        g = _obj(g, gp, ("index", "name", "uuid", "memory_total", "driver"), ctx)
+        gpus.append(GPUInfo(_int(g, "index", gp), _str(g, "name", gp), _text(g, "uuid", gp), _int(g, "memory_total", gp), _text(g, "driver", gp)))
+    machine = MachineInfo(
+        fingerprint=_str(m, "fingerprint", "machine", pattern=_HEX_RE, hint="a lowercase hex fingerprint"),
+        hardware_class=_str(m, "hardware_class", "machine", pattern=_HEX_RE, hint="a lowercase hex fingerprint"),
+        cpu_model=_text(m, "cpu_model", "machine"),
+        physical_cores=_int(m, "physical_cores", "machine", minimum=1),
+        logical_cores=_int(m, "logical_cores", "machine", minimum=1),
+        ram_total=_int(m, "ram_total", "machine"),
+        gpus=tuple(gpus),
+        unified_memory=_bool(m, "unified_memory", "machine"),
+        system=_text(m, "system", "machine"),
+        arch=_text(m, "arch", "machine"),
+    )
+
+    b = _obj(_get(top, "llama_build", ""), "llama_build", ("llama_cpp_python", "llama_cpp_build", "backends", "gpu_offload", "rpc"), ctx)
+    backends = _list(b, "backends", "llama_build")
+    for i, name in enumerate(backends):
+        if not isinstance(name, str) or not name:
+            raise ProfileValidationError(f"llama_build.backends[{i}]", f"expected a backend name such as cuda, got {_kind(name)}")
+    llama_build = LlamaBuildInfo(
+        llama_cpp_python=_str(b, "llama_cpp_python", "llama_build", nullable=True),
+        llama_cpp_build=_str(b, "llama_cpp_build", "llama_build", nullable=True),
+        backends=tuple(backends),
+        gpu_offload=_bool(b, "gpu_offload", "llama_build"),
+        rpc=_bool(b, "rpc", "llama_build"),
+    )
+
+    md = _obj(_get(top, "model", ""), "model", ("file_name", "size", "header_hash", "architecture", "quantization", "n_layer"), ctx)
+    model = ModelInfo(
+        file_name=_str(md, "file_name", "model"),
+        size=_int(md, "size", "model", minimum=1),
+        header_hash=_str(md, "header_hash", "model", pattern=_HEX_RE, hint="a lowercase hex sha256"),
+        architecture=_str(md, "architecture", "model"),
+        quantization=_str(md, "quantization", "model", nullable=True),
+        n_layer=_int(md, "n_layer", "model", minimum=1),
+    )
+
+    settings = _settings(_get(top, "settings", ""), "settings", ctx)
+    min_ctx = _int(top, "min_ctx", "", minimum=1)
+    if settings.n_ctx and min_ctx > settings.n_ctx:
+        raise ProfileValidationError("min_ctx", f"expected at most settings.n_ctx ({settings.n_ctx}), got {min_ctx}")
+    objective = _get(top, "objective", "")
+    if objective not in OBJECTIVES:
+        raise ProfileValidationError("objective", f"expected one of {', '.join(OBJECTIVES)}, got {_kind(objective)}")
+
+    me = _obj(_get(top, "measured", ""), "measured", ("pp", "tg", "n_prompt", "n_gen", "depth"), ctx)
+    measured = Measured(
+        pp=_stats(_get(me, "pp", "measured"), "measured.pp", ctx),
+        tg=_stats(_get(me, "tg", "measured"), "measured.tg", ctx),
+        n_prompt=_int(me, "n_prompt", "measured"),
+        n_gen=_int(me, "n_gen", "measured"),
+        depth=_int(me, "depth", "measured"),
+    )
+
+    mem = _obj(_get(top, "memory", ""), "memory", ("predicted", "actual"), ctx)
+    memory = Memory(
+        predicted=_devices(_get(mem, "predicted", "memory"), "memory.predicted", ctx, with_total=True),
+        actual=_devices(_get(mem, "actual", "memory", {}), "memory.actual", ctx, with_total=False),
+    )
+
+    sz = _obj(_get(top, "sizing", ""), "sizing", ("n_layer", "layer_weight_bytes", "output_weight_bytes", "kv_bytes_per_token_per_layer"), ctx)
+    sizing = Sizing(
+        n_layer=_int(sz, "n_layer", "sizing", minimum=1),
+        layer_weight_bytes=_int(sz, "layer_weight_bytes", "sizing"),
+        output_weight_bytes=_int(sz, "output_weight_bytes", "sizing"),
+        kv_bytes_per_token_per_layer=_number(_get(sz, "kv_bytes_per_token_per_layer", "sizing"), "sizing.kv_bytes_per_token_per_layer"),
+    )
+    if sizing.n_layer != model.n_layer:
+        raise ProfileValidationError("sizing.n_layer", f"expected model.n_layer ({model.n_layer}), got {sizing.n_layer}")
+
+    layers_total = _int(top, "layers_total", "")
+    layers_offloaded = _int(top, "layers_offloaded", "", nullable=True, default=None)
+    if layers_offloaded is not None and layers_offloaded > layers_total:
+        raise ProfileValidationError("layers_offloaded", f"expected at most layers_total ({layers_total}), got {layers_offloaded}")
+
+    runner_up = None
+    ru = _get(top, "runner_up", "", None)
+    if ru is not None:
+        ru = _obj(ru, "runner_up", ("settings", "pp", "tg"), ctx)
+        runner_up = RunnerUp(
+            settings=_settings(_get(ru, "settings", "runner_up"), "runner_up.settings", ctx),
+            pp=_stats(_get(ru, "pp", "runner_up"), "runner_up.pp", ctx),
+            tg=_stats(_get(ru, "tg", "runner_up"), "runner_up.tg", ctx),
+        )
+
+    t = _obj(_get(top, "trials", ""), "trials", ("run", "pruned", "oom", "failed"), ctx)
+    trials = Trials(*(_int(t, k, "trials") for k in ("run", "pruned", "oom", "failed")))
+
+    study = None
+    st = _get(top, "study", "", None)
+    if st is not None:
+        st = _obj(st, "study", ("name", "storage"), ctx)
+        study = StudyRef(_str(st, "name", "study"), _str(st, "storage", "study", nullable=True, default=None))
+
+    return Profile(
+        schema_version=top["schema_version"],
+        tool_version=_str(top, "tool_version", ""),
+        created_at=_created_at(top),
+        machine=machine,
+        llama_build=llama_build,
+        model=model,
+        settings=settings,
+        min_ctx=min_ctx,
+        objective=objective,
+        measured=measured,
+        memory=memory,
+        sizing=sizing,
+        layers_total=layers_total,
+        trials=trials,
+        layers_offloaded=layers_offloaded,
+        runner_up=runner_up,
+        study=study,
+    )
+
+
+# -- serializing -------------------------------------------------------------------------------
+
+
+def _asdict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _stats_dict(stats: Stats) -> dict[str, Any]:
+    return {**_asdict(stats), "samples": list(stats.samples)}
+
+
+def _memory_dict(memory: DeviceMemory) -> dict[str, Any]:
+    out = _asdict(memory)
+    if out["total"] is None:
+        del out["total"]
+    return out
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BUNDLE_VERSION",
+    "OBJECTIVES",
+    "Profile",
+    "MachineInfo",
+    "GPUInfo",
+    "LlamaBuildInfo",
+    "ModelInfo",
+    "Stats",
+    "Measured",
+    "DeviceMemory",
+    "Memory",
+    "Sizing",
+    "RunnerUp",
+    "Trials",
+    "StudyRef",
+    "ProfileEntry",
+    "BundleItem",
+    "ImportResult",
+    "ProfileWarning",
+    "SchemaVersionWarning",
+    "LlamaBuildWarning",
+    "ProfileAdjustedWarning",
+    "ProfileDegradedWarning",
+    "read_profile",
+    "list_profiles",
+    "profile_search_path",
+    "resolve_profile",
+    "write_bundle",
+    "read_bundle",
+    "import_bundle",
+    "utc_now",
+    "tool_version",
+    "describe_gpus",
+]

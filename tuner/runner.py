@@ -1,0 +1,409 @@
+"""Run one trial: an isolated llama.cpp worker process, its log, its timings, its outcome.
+
+    with TrialRunner(timeout_s=120) as runner:
+        result = runner.run(settings, BenchSpec(n_prompt=512, n_gen=128))
+        result.outcome, result.tg.median, result.load.layers_offloaded
+
+Each worker is spawned in its own process group (``start_new_session``), so a crash, an abort,
+a hang or an out-of-memory in llama.cpp never takes the caller down, and a timeout kills the
+whole group. A worker is kept while trials share the model-level settings
+(``Settings.model_key``): the model is loaded once and each trial gets a new context. Any failed
+trial retires its worker; the next trial starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import selectors
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .logparse import LoadReport, parse_log
+from .outcome import Classification, Outcome, classify
+from .settings import KV_CACHE_TYPES, Settings
+from .worker import LOG_MARK, MODEL_KEYS
+
+CONTEXT_MARK = f"{LOG_MARK} context begins"
+
+# two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond, the normal's 1.96
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What a trial measures (llama-bench's -p, -n, -d, -r)."""
+
+    n_prompt: int = 512
+    n_gen: int = 128
+    depth: int = 0
+    repetitions: int = 3
+    warmup: bool = True
+    seed: int = 1234
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Tokens/sec over repetitions: every sample kept."""
+
+    samples: tuple[float, ...]
+    median: float
+    mean: float
+    stddev: float
+    ci_low: float  # 95% confidence interval of the mean
+    ci_high: float
+
+    @classmethod
+    def of(cls, samples: list[float] | tuple[float, ...]) -> "Stats | None":
+        if not samples:
+            return None
+        values = tuple(float(x) for x in samples)
+        mean = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        t = _T95[min(len(values) - 2, len(_T95) - 1)] if len(values) > 1 else 0.0
+        if len(values) > 31:
+            t = 1.96
+        half = t * sd / math.sqrt(len(values))
+        return cls(values, statistics.median(values), mean, sd, mean - half, mean + half)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"median": self.median, "mean": self.mean, "stddev": self.stddev,
+                "ci_low": self.ci_low, "ci_high": self.ci_high, "samples": list(self.samples)}
+
+
+@dataclass
+class TrialResult:
+    outcome: Outcome
+    message: str
+    settings: Settings
+    bench: BenchSpec
+    pp: Stats | None = None
+    tg: Stats | None = None
+    load: LoadReport = field(default_factory=lambda: parse_log(""))
+    log: str = ""
+    peak_rss: int | None = None
+    peak_vram: dict[str, int] = field(default_factory=dict)
+    signal: str | None = None
+    returncode: int | None = None
+    wall_s: float = 0.0
+    load_s: float = 0.0
+    reused_model: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    def to_dict(self, *, include_log: bool = False) -> dict[str, Any]:
+        out = {
+            "outcome": self.outcome.value,
+            "message": self.message,
+            "settings": self.settings.to_dict(),
+            "bench": self.bench.to_dict(),
+            "pp": self.pp.to_dict() if self.pp else None,
+            "tg": self.tg.to_dict() if self.tg else None,
+            "load": self.load.to_dict(),
+            "peak_rss": self.peak_rss,
+            "peak_vram": self.peak_vram,
+            "signal": self.signal,
+            "returncode": self.returncode,
+            "wall_s": self.wall_s,
+            "load_s": self.load_s,
+            "reused_model": self.reused_model,
+        }
+        if include_log:
+            out["log"] = self.log
+        return out
+
+
+class _Sampler(threading.Thread):
+    """Samples the worker's RSS (psutil) and, with NVML, its memory on each GPU."""
+
+    def __init__(self, pid: int, interval: float = 0.05) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peak_rss = 0
+        self.peak_vram: dict[str, int] = {}
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            proc = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        nvml = _nvml_handles()
+        while not self._stop.is_set():
+            try:
+                self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
+            except psutil.Error:
+                return
+            for name, (pynvml, handle) in nvml.items():
+                try:
+                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if p.pid == self.pid and p.usedGpuMemory:
+                            self.peak_vram[name] = max(self.peak_vram.get(name, 0), int(p.usedGpuMemory))
+                except Exception:
+                    pass
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(timeout=2)
+
+
+def _nvml_handles() -> dict[str, tuple[Any, Any]]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return {f"CUDA{i}": (pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())}
+    except Exception:
+        return {}
+
+
+def _project_pythonpath(env: dict[str, str]) -> dict[str, str]:
+    root = str(Path(__file__).resolve().parent.parent)
+    parts = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env
+
+
+class TrialRunner:
+    """Runs trials in isolated worker processes, reusing a worker while the model stays the same."""
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 300.0,
+        memory_limit: int | None = None,
+        python: str | None = None,
+        env: dict[str, str] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+        reuse_model: bool = True,
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.memory_limit = memory_limit
+        self.python = python or sys.executable
+        self.env = dict(env) if env is not None else dict(os.environ)
+        self.reuse_model = reuse_model
+        self._tmp = tempfile.TemporaryDirectory(prefix="offload-tuner-") if log_dir is None else None
+        self.log_dir = Path(log_dir) if log_dir is not None else Path(self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._proc: subprocess.Popen | None = None
+        self._log_path: Path | None = None
+        self._model_key: Any = None
+        self._model_log = ""
+        self._count = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> "TrialRunner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._retire(graceful=True)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _start(self) -> None:
+        self._count += 1
+        self._log_path = self.log_dir / f"worker-{os.getpid()}-{self._count}.log"
+        env = _project_pythonpath(dict(self.env))
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.memory_limit:
+            env["OFFLOAD_TUNER_WORKER_AS_LIMIT"] = str(int(self.memory_limit))
+        with open(self._log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                [self.python, "-m", "tuner.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                start_new_session=True,  # its own process group: killpg reaches every thread and child
+            )
+        self._model_key = None
+        self._model_log = ""
+
+    def _retire(self, graceful: bool = False) -> None:
+        proc, self._proc = self._proc, None
+        self._model_key = None
+        if proc is None:
+            return
+        if graceful and proc.poll() is None:
+            try:
+                proc.stdin.write(b'{"op": "exit"}\n')
+                proc.stdin.flush()
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    # -- one trial ---------------------------------------------------------------------------
+
+    def pre_check(self, settings: Settings, bench: BenchSpec) -> str | None:
+        """Why the trial must not launch, or None."""
+        path = Path(settings.model_path)
+        if not path.is_file():
+            return f"model file not found: {settings.model_path}"
+        need = bench.depth + max(bench.n_prompt, bench.n_gen)
+        if settings.n_ctx and need > settings.n_ctx:
+            return f"n_ctx {settings.n_ctx} is smaller than depth {bench.depth} + {max(bench.n_prompt, bench.n_gen)} test tokens"
+        if settings.rpc_servers and not any(True for _ in settings.rpc_servers):
+            return "rpc_servers is empty"
+        return None
+
+    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
+        started = time.perf_counter()
+        rejected = self.pre_check(settings, bench)
+        if rejected:
+            c = classify(rejected=rejected)
+            return TrialResult(c.outcome, c.message, settings, bench, wall_s=time.perf_counter() - started)
+
+        key = settings.model_key
+        if self._proc is not None and (not self.reuse_model or key != self._model_key or self._proc.poll() is not None):
+            self._retire(graceful=True)
+        if self._proc is None:
+            self._start()
+        proc = self._proc
+        assert proc is not None and self._log_path is not None
+        offset = self._log_path.stat().st_size
+        request = {
+            "trial_id": trial_id if trial_id is not None else self._count,
+            "settings": {**settings.to_dict(), "type_k_id": KV_CACHE_TYPES[settings.type_k], "type_v_id": KV_CACHE_TYPES[settings.type_v]},
+            "bench": bench.to_dict(),
+        }
+        sampler = _Sampler(proc.pid)
+        sampler.start()
+        reply: dict[str, Any] | None = None
+        timed_out = False
+        try:
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.flush()
+            reply, timed_out = self._await_reply(proc, started + self.timeout_s)
+        except BrokenPipeError:
+            reply = None
+        except BaseException:
+            # Ctrl-C (or anything else) in the caller: never leave a worker behind.
+            sampler.stop()
+            self._retire()
+            raise
+        finally:
+            sampler.stop()
+        if timed_out:
+            os.killpg(proc.pid, signal.SIGKILL)
+        returncode = None
+        if reply is None:
+            try:
+                returncode = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                returncode = proc.wait()
+        segment = self._read_log(offset)
+        if reply is not None and not reply.get("reused_model"):
+            # keep this load's model lines for later trials that reuse the model
+            self._model_log = segment.split(CONTEXT_MARK, 1)[0] if CONTEXT_MARK in segment else segment
+        full_log = segment if reply is None or not reply.get("reused_model") else self._model_log + segment
+        report = parse_log(full_log)
+        c: Classification = classify(
+            timed_out=timed_out,
+            timeout_s=self.timeout_s,
+            reply=reply,
+            returncode=returncode,
+            oom_in_log=report.oom,
+            error_lines=tuple(report.errors),
+        )
+        if c.outcome is Outcome.OK:
+            self._model_key = key
+        elif c.outcome is not Outcome.BAD_SETTINGS:
+            self._retire()
+        reply = reply or {}
+        peak_rss = max(x for x in (sampler.peak_rss, reply.get("peak_rss") or 0))
+        return TrialResult(
+            outcome=c.outcome,
+            message=c.message,
+            settings=settings,
+            bench=bench,
+            pp=Stats.of(reply.get("pp_samples", [])),
+            tg=Stats.of(reply.get("tg_samples", [])),
+            load=report,
+            log=full_log,
+            peak_rss=peak_rss or None,
+            peak_vram=dict(sampler.peak_vram),
+            signal=c.signal_name,
+            returncode=returncode,
+            wall_s=time.perf_counter() - started,
+            load_s=float(reply.get("load_s", 0.0)),
+            reused_model=bool(reply.get("reused_model", False)),
+        )
+
+    def _await_reply(self, proc: subprocess.Popen, deadline: float) -> tuple[dict[str, Any] | None, bool]:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        buffer = b""
+        try:
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    return None, True
+                if not sel.select(timeout=min(remaining, 0.5)):
+                    if proc.poll() is not None:
+                        return None, False
+                    continue
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
+                    return None, False
+                buffer += chunk
+                if b"\n" in buffer:
+                    line = buffer.split(b"\n", 1)[0]
+                    try:
+                        return json.loads(line), False
+                    except ValueError:
+                        return {"status": "error", "message": f"unreadable reply: {line[:200]!r}"}, False
+        finally:
+            sel.close()
+
+    def _read_log(self, offset: int) -> str:
+        assert self._log_path is not None
+        try:
+            with open(self._log_path, "rb") as handle:
+                handle.seek(offset)
+                return handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+
+def run_trial(settings: Settings, bench: BenchSpec = BenchSpec(), **runner_kwargs: Any) -> TrialResult:
+    """One trial in a fresh worker."""
+    with TrialRunner(**runner_kwargs) as runner:
+        return runner.run(settings, bench)
+
+
+__all__ = ["BenchSpec", "Stats", "TrialResult", "TrialRunner", "run_trial", "MODEL_KEYS"]
