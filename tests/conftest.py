@@ -33,3 +33,27 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "moe": make_model(folder / "moe-F16.gguf", MOE),
         "split": make_model(folder / "split" / "tiny.gguf", TINY, split_max_tensors=15),
     }
+
+
+@pytest.fixture
+def rpc_servers():
+    """Start local llama.cpp RPC servers: ``rpc_servers(2, memory_limits=[None, 200 << 20])``.
+
+    Every server started here is stopped at teardown, whatever the test did, and the test fails
+    if one outlived its stop (an orphan process).
+    """
+    from tuner.rpc import start_servers
+
+    started = []
+
+    def start(count: int = 1, **kwargs):
+        servers = start_servers(count, threads=1, **kwargs)
+        started.extend(servers)
+        return servers
+
+    yield start
+    for server in started:
+        proc = server.proc
+        server.stop()
+        if proc is not None:
+            assert proc.poll() is not None, f"RPC server {server.endpoint} outlived its stop"

@@ -136,7 +136,7 @@ class _Sampler(threading.Thread):
         self.pid, self.interval = pid, interval
         self.peak_rss = 0
         self.peak_vram: dict[str, int] = {}
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         import psutil
@@ -146,7 +146,7 @@ class _Sampler(threading.Thread):
         except psutil.Error:
             return
         nvml = _nvml_handles()
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
             except psutil.Error:
@@ -158,10 +158,10 @@ class _Sampler(threading.Thread):
                             self.peak_vram[name] = max(self.peak_vram.get(name, 0), int(p.usedGpuMemory))
                 except Exception:
                     pass
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=2)
 
 
@@ -229,7 +229,7 @@ class TrialRunner:
         env = _project_pythonpath(dict(self.env))
         env["PYTHONUNBUFFERED"] = "1"
         if self.memory_limit:
-            env["OFFLOAD_TUNER_WORKER_AS_LIMIT"] = str(int(self.memory_limit))
+            env["OFFLOAD_TUNER_WORKER_MEMORY_LIMIT"] = str(int(self.memory_limit))
         with open(self._log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 [self.python, "-m", "tuner.worker"],
@@ -267,6 +267,11 @@ class TrialRunner:
                 pass
 
     # -- one trial ---------------------------------------------------------------------------
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The live worker's pid (its process group id too), or None."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def pre_check(self, settings: Settings, bench: BenchSpec) -> str | None:
         """Why the trial must not launch, or None."""

@@ -267,16 +267,29 @@ def _peak_rss() -> int | None:
 
 
 def main() -> None:
-    limit = os.environ.get("OFFLOAD_TUNER_WORKER_AS_LIMIT")
-    if limit:  # an address-space cap (tests of host out-of-memory; --memory-limit)
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (int(limit), int(limit)))
     # Keep the protocol on a private descriptor; point fd 1 at the log like fd 2.
     reply_fd = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = os.fdopen(1, "w", buffering=1)
-    Worker(reply_fd).serve()
+    worker = Worker(reply_fd)
+    limit = os.environ.get("OFFLOAD_TUNER_WORKER_MEMORY_LIMIT")
+    if limit:
+        # An address-space cap (--memory-limit; the tests of host out-of-memory): what is mapped
+        # now (interpreter, llama.cpp's libraries) plus the limit, which must cover the trial's
+        # weights, KV cache, buffers and its threads' stacks.
+        import resource
+
+        cap = _vm_size() + int(limit)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    worker.serve()
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 if __name__ == "__main__":

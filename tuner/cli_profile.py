@@ -1,0 +1,314 @@
+"""``offload-tuner profile ...``: list, show, check, export arguments, share bundles.
+
+Thin: parse, call ``tuner.profile`` / ``tuner.apps`` / ``tuner.exports``, print. Domain errors become
+``click.ClickException`` with a message a person can act on. Tests pass ``obj={"machine": Machine}``
+to inject the machine; without it, commands that need one probe this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import TunerError
+from .exports import FORMATS, export_args
+from .paths import ENV_PROFILE_PATH, profiles_dir
+from .profile import (
+    Profile,
+    ProfileWarning,
+    gib,
+    import_bundle,
+    list_profiles,
+    profile_search_path,
+    resolve_profile,
+    write_bundle,
+)
+
+profile_group = click.Group(
+    "profile",
+    help=(
+        "Saved profiles: list, show, check against this machine, print as llama.cpp / ollama arguments, "
+        "and share with a team as one bundle file.\n\n"
+        "Profiles are looked up in your folder first, then in each folder of OFFLOAD_TUNER_PROFILE_PATH "
+        "(separated by ':'; ';' on Windows). A PROFILE argument is a file path or a name from "
+        "`offload-tuner profile list`.\n\n"
+        "Example:\n\n"
+        "    offload-tuner profile list --all"
+    ),
+)
+
+
+def _machine(ctx: click.Context) -> Any:
+    obj = ctx.obj if isinstance(ctx.obj, dict) else {}
+    if obj.get("machine") is not None:
+        return obj["machine"]
+    from .apps import this_machine
+
+    return this_machine()
+
+
+def _resolve(ref: str) -> Profile:
+    try:
+        return resolve_profile(ref)
+    except TunerError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _origin_label(origin: Path) -> str:
+    if origin.resolve() == profiles_dir().resolve():
+        return "your profiles"
+    if origin.is_file():
+        return f"{ENV_PROFILE_PATH} file"
+    return "team folder"
+
+
+def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    for warning in caught:
+        click.echo(f"warning: {warning.message}", err=True)
+
+
+@profile_group.command("list")
+@click.option("--all", "show_all", is_flag=True, help="Also profiles of other machines and files that cannot be read.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per profile, for scripts.")
+@click.pass_context
+def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
+    """Profiles on the search path that fit this machine, and where each came from.
+
+    A profile fits this machine when it was tuned on it (machine fingerprint) or on one with the same GPU
+    models and memory (hardware class). The first one of a name wins, as with PATH.
+
+    Example:
+
+        offload-tuner profile list --all
+    """
+    machine = None if show_all else _machine(ctx)
+    rows = []
+    for entry in list_profiles():
+        profile = entry.profile
+        match = ""
+        if profile is not None and machine is not None:
+            if profile.machine.fingerprint == machine.fingerprint():
+                match = "this machine"
+            elif profile.machine.hardware_class == machine.hardware_class():
+                match = "same hardware class"
+            else:
+                continue
+        elif profile is None and not show_all:
+            continue
+        rows.append((entry, profile, match))
+    if as_json:
+        for entry, profile, match in rows:
+            record = {"name": entry.path.stem, "path": str(entry.path), "origin": str(entry.origin)}
+            if profile is None:
+                record["error"] = str(entry.error)
+            else:
+                record.update(
+                    model=profile.model.file_name,
+                    machine=profile.machine.describe(),
+                    objective=profile.objective,
+                    tg=profile.measured.tg.median,
+                    pp=profile.measured.pp.median,
+                    created_at=profile.created_at,
+                )
+                if match:
+                    record["match"] = match
+            click.echo(json.dumps(record))
+        return
+    if not rows:
+        where = ", ".join(str(p) for p in profile_search_path())
+        hint = "" if show_all else " for this machine (--all lists every profile)"
+        click.echo(f"no profiles{hint} in {where}")
+        return
+    for entry, profile, match in rows:
+        click.echo(entry.path.stem)
+        click.echo(f"    from  {entry.path}  ({_origin_label(entry.origin)}: {entry.origin})")
+        if profile is None:
+            click.echo(f"    cannot be used: {entry.error}")
+            continue
+        s = profile.settings
+        click.echo(
+            f"    {profile.model.file_name} on {profile.machine.describe()}{f' ({match})' if match else ''}"
+        )
+        click.echo(
+            f"    tg {profile.measured.tg.median:g} t/s, pp {profile.measured.pp.median:g} t/s ({profile.objective}); "
+            f"n_gpu_layers {s.n_gpu_layers}, n_ctx {s.n_ctx}; tuned {profile.created_at}"
+        )
+
+
+@profile_group.command("show")
+@click.argument("profile")
+@click.option("--json", "as_json", is_flag=True, help="The profile document itself.")
+def show_command(profile: str, as_json: bool) -> None:
+    """Everything a profile records: machine, model, settings, speeds, memory per device.
+
+    Example:
+
+        offload-tuner profile show Qwen3-8B-Q4_K_M--0123456789abcdef
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileWarning)
+        p = _resolve(profile)
+    _show_warnings(caught)
+    if as_json:
+        click.echo(p.to_json(), nl=False)
+        return
+    m, s = p.measured, p.settings
+    out = [
+        f"{p.name}  ({p.path})",
+        f"  schema {p.schema_version}, written by offload-tuner {p.tool_version} at {p.created_at}",
+        f"  model     {p.model.file_name}: {p.model.architecture}, {p.model.quantization or 'unknown quantization'}, "
+        f"{p.model.n_layer} layers, {gib(p.model.size)}, header {p.model.header_hash[:12]}",
+        f"  machine   {p.machine.describe()}; {p.machine.physical_cores} cores, {gib(p.machine.ram_total)} RAM; "
+        f"{p.machine.system} {p.machine.arch}; fingerprint {p.machine.fingerprint}, hardware class {p.machine.hardware_class}",
+        f"  llama.cpp llama-cpp-python {p.llama_build.llama_cpp_python or '?'}, build {p.llama_build.llama_cpp_build or '?'}, "
+        f"backends {', '.join(p.llama_build.backends) or 'none recorded'}",
+        f"  objective {p.objective}; min_ctx {p.min_ctx}",
+        f"  measured  tg {m.tg.median:g} t/s (95% CI {m.tg.ci_low:g}-{m.tg.ci_high:g}), "
+        f"pp {m.pp.median:g} t/s (95% CI {m.pp.ci_low:g}-{m.pp.ci_high:g}); "
+        f"{m.n_prompt} prompt / {m.n_gen} generated tokens at depth {m.depth}",
+        f"  layers    {p.layers_offloaded if p.layers_offloaded is not None else '?'} of {p.layers_total} on the GPU",
+        "  settings",
+    ]
+    out += [f"    {key} = {json.dumps(value)}" for key, value in s.to_dict().items()]
+    out.append("  memory (predicted; actual where measured)")
+    for device, predicted in p.memory.predicted.items():
+        actual = p.memory.actual.get(device)
+        line = (
+            f"    {device}: {gib(predicted.need)} (weights {gib(predicted.weights)}, kv {gib(predicted.kv)}, "
+            f"compute {gib(predicted.compute)})"
+        )
+        if actual is not None:
+            line += f"; actual {gib(actual.need)}"
+        out.append(line)
+    t = p.trials
+    out.append(f"  trials    {t.run} run, {t.pruned} pruned, {t.oom} out of memory, {t.failed} failed")
+    if p.runner_up is not None:
+        out.append(
+            f"  runner-up within noise: tg {p.runner_up.tg.median:g} t/s, pp {p.runner_up.pp.median:g} t/s with "
+            f"n_gpu_layers {p.runner_up.settings.n_gpu_layers}, n_ctx {p.runner_up.settings.n_ctx}"
+        )
+    if p.study is not None:
+        out.append(f"  study     {p.study.name} ({p.study.storage or 'storage not recorded'})")
+    out.append(f"  run it    {export_args(p, 'llama-server').strip()}")
+    click.echo("\n".join(out))
+
+
+@profile_group.command("args")
+@click.argument("profile")
+@click.option(
+    "--for", "fmt", type=click.Choice(FORMATS), default="llama-server", show_default=True,
+    help="The tool to write the settings for.",
+)  # fmt: skip
+@click.option("--model", "model_path", type=click.Path(dir_okay=False), help="The model file on this machine (default: the path recorded when tuning).")
+def args_command(profile: str, fmt: str, model_path: str | None) -> None:
+    """Print a profile as a command line, an ollama Modelfile, or LLAMA_ARG_* variables.
+
+    Examples:
+
+        offload-tuner profile args Qwen3-8B-Q4_K_M--0123456789abcdef --for llama-server --model ~/models/Qwen3-8B-Q4_K_M.gguf
+
+        offload-tuner profile args my.json --for ollama > Modelfile && ollama create qwen3-tuned -f Modelfile
+
+        eval "$(offload-tuner profile args my.json --for env)" && llama-server
+    """
+    p = _resolve(profile)
+    try:
+        click.echo(export_args(p, fmt, model_path=model_path), nl=False)
+    except TunerError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@profile_group.command("check")
+@click.argument("model_path", type=click.Path(dir_okay=False))
+@click.option("--strict", is_flag=True, help="Fail instead of reporting the changes needed to fit.")
+@click.pass_context
+def check_command(ctx: click.Context, model_path: str, strict: bool) -> None:
+    """Which profile an app would load for MODEL_PATH here, and whether it still fits in free memory now.
+
+    Example:
+
+        offload-tuner profile check ~/models/Qwen3-8B-Q4_K_M.gguf
+    """
+    from .apps import load_profile
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileWarning)
+        try:
+            p = load_profile(model_path, machine=_machine(ctx), strict=strict)
+        except TunerError as exc:
+            _show_warnings(caught)
+            raise click.ClickException(str(exc)) from None
+    _show_warnings(caught)
+    click.echo(f"{p.name}  ({p.path})")
+    if p.degradation:
+        click.echo("changed to fit this machine now:")
+        for change in p.degradation:
+            click.echo(f"  - {change}")
+    else:
+        click.echo("fits as recorded")
+    click.echo(export_args(p, "llama-server").strip())
+
+
+@profile_group.command("export")
+@click.argument("profiles", nargs=-1)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The bundle file to write.")
+def export_command(profiles: tuple[str, ...], output: str) -> None:
+    """Write profiles to one bundle file for a teammate (`profile import`). No PROFILES: all of yours.
+
+    Example:
+
+        offload-tuner profile export -o team-profiles.json
+    """
+    if profiles:
+        chosen = [_resolve(ref) for ref in profiles]
+    else:
+        entries = list_profiles([profiles_dir()])
+        chosen = [e.profile for e in entries if e.profile is not None]
+        for entry in entries:
+            if entry.error is not None:
+                click.echo(f"skipped {entry.path}: {entry.error}", err=True)
+        if not chosen:
+            raise click.ClickException(f"no profiles in {profiles_dir()} to export; name the ones to export")
+    try:
+        path = write_bundle(chosen, output)
+    except TunerError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {len(chosen)} profile(s) to {path}")
+
+
+@profile_group.command("import")
+@click.argument("bundle", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Replace profiles that are already there.")
+@click.option("--to", "dest", type=click.Path(file_okay=False), help="The folder to import into (default: your profiles).")
+def import_command(bundle: str, force: bool, dest: str | None) -> None:
+    """Read a bundle from `profile export`: each profile is validated; duplicates are reported, not overwritten.
+
+    Example:
+
+        offload-tuner profile import team-profiles.json
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileWarning)
+        try:
+            results = import_bundle(bundle, dest=dest, force=force)
+        except TunerError as exc:
+            raise click.ClickException(f"{bundle}: {exc}") from None
+    _show_warnings(caught)
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result.action] = counts.get(result.action, 0) + 1
+        where = f" -> {result.path}" if result.action in ("imported", "replaced") else ""
+        click.echo(f"profiles[{result.index}] {result.action}{where}: {result.detail}")
+    summary = ", ".join(f"{n} {action}" for action, n in counts.items()) or "the bundle is empty"
+    click.echo(summary)
+    if counts.get("conflict") or (counts.get("duplicate") and not force):
+        click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
+    if counts.get("invalid"):
+        raise click.ClickException(f"{counts['invalid']} profile(s) in {bundle} are invalid and were not imported")
+
+
+__all__ = ["profile_group"]

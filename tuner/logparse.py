@@ -1,0 +1,1081 @@
+"""Read a llama.cpp load/run log and say what happened: ``parse_log(text) -> LoadReport``.
+
+The text is either the trial worker's own log or any llama.cpp log a user pastes (llama-cli,
+llama-server, llama-bench, llama-cpp-python, Ollama, LM Studio, ...), from the 2023 GGUF
+``llm_load_tensors`` era to the 2026 ``load_tensors`` / ``llama_kv_cache`` / ``sched_reserve`` era.
+
+What it pulls out (all sizes in bytes; llama.cpp prints MiB, and its 2023 "MB" is MiB too):
+
+* layers offloaded / total (``offloaded X/Y layers to GPU``, or counted from the
+  ``layer N assigned to device X`` debug lines when every layer is listed);
+* weight buffers per buffer label, KV cache and compute buffers per device, KV total and types,
+  context size, free device memory, prompt/eval tokens per second, build number;
+* allocation failures (``oom``) and the failure lines themselves (``errors``).
+
+How it reads:
+
+1. Transport damage is undone first: CRLF, ANSI colours, docker-compose / journald / ISO / CRI
+   timestamps, llama.cpp's own ``0.00.015.212 I`` prefix, ``[DEBUG]`` headers, JSON log lines
+   (their ``msg`` is read as a log line), glued lines (progress dots or a ``)`` directly followed by
+   the next message), collapsed whitespace, decimal commas.
+2. Each logical line is matched against regexes written from llama.cpp's format strings; every
+   regex names, in a comment, the format string it matches and the era that printed it.
+3. A log can hold more than one load pass (``--fit`` dry runs load the model and create a context
+   without allocating, then the real load repeats the same lines). The LAST pass wins: model-scoped
+   values reset when a new load pass starts, context-scoped values when a new context starts.
+
+Nothing here raises on garbage: an unparseable text gives an empty ``LoadReport``. Pure Python,
+parsing uses only ``re``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterator
+
+MiB = 1048576
+
+__all__ = ["LoadReport", "parse_log", "format_report", "accuracy_report", "main"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+# ----------------------------------------------------------------------------------------------
+
+# Buffer labels that live in host RAM, not on an accelerator. ggml names host buffers after the
+# CPU backend ("CPU", "CPU_Mapped", "CPU_REPACK", "CPU_AARCH64"), after the accelerator's pinned
+# host memory ("CUDA_Host", "Vulkan_Host", "ROCm_Host", "SYCL_Host"), or after a CPU extra buffer
+# type ("AMX", "BLAS"); the 2023 summary lines are host figures by definition.
+_HOST_LABEL = re.compile(r"^(?:CPU.*|.*_Host|AMX|BLAS|KLEIDIAI|HBM|mem required.*|system memory used.*)$",
+                         re.IGNORECASE)
+
+
+def _is_host_label(label: str) -> bool:
+    return bool(_HOST_LABEL.match(label)) or "host" in label.lower()
+
+
+def _normalise_device(label: str) -> str:
+    """Weight-buffer label -> device: ``MTL0_Mapped`` -> ``MTL0``, ``VRAM used`` -> ``VRAM``.
+
+    ``_Mapped`` only says the weights are mmap'd into that device's address space (Metal and
+    CUDA on unified memory); the device is the same.
+    """
+    if label == "VRAM used":
+        return "VRAM"
+    if label.endswith("_Mapped"):
+        return label[: -len("_Mapped")]
+    return label
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a llama.cpp log says about one model load (the last pass) and its run."""
+
+    layers_offloaded: int | None = None
+    layers_total: int | None = None
+    oom: bool = False
+    model_buffers: dict[str, int] = field(default_factory=dict)   # label as printed -> bytes
+    kv_buffers: dict[str, int] = field(default_factory=dict)      # device -> bytes
+    compute_buffers: dict[str, int] = field(default_factory=dict)  # device -> bytes
+    kv_size: int | None = None                                    # total KV bytes
+    type_k: str | None = None
+    type_v: str | None = None
+    n_ctx: int | None = None
+    devices: dict[str, int] = field(default_factory=dict)         # device -> FREE bytes
+    prompt_tps: float | None = None
+    eval_tps: float | None = None
+    build: str | None = None
+    errors: tuple[str, ...] = ()
+
+    @property
+    def partial_offload(self) -> bool | None:
+        """True when fewer layers than the model has were offloaded; None when the log doesn't say."""
+        if self.layers_offloaded is None or self.layers_total is None:
+            return None
+        return self.layers_offloaded < self.layers_total
+
+    @property
+    def device_weights(self) -> dict[str, int]:
+        """Weight bytes per accelerator device, names normalised (``Metal_Mapped`` -> ``Metal``).
+
+        The 2023 ``VRAM used`` line names no device, so it becomes the pseudo-device ``VRAM``;
+        when a named accelerator buffer exists as well (llamafile printed ``VRAM used: 0.00 MB``
+        next to its Metal ``data`` buffers), the pseudo-device says nothing more and is dropped.
+        """
+        out: dict[str, int] = {}
+        for label, size in self.model_buffers.items():
+            if _is_host_label(label):
+                continue
+            dev = _normalise_device(label)
+            out[dev] = out.get(dev, 0) + size
+        if "VRAM" in out and len(out) > 1:
+            del out["VRAM"]
+        return out
+
+    @property
+    def effective_layers_offloaded(self) -> int | None:
+        """Layers that really run on an accelerator.
+
+        A CUDA build on a machine where CUDA init failed still prints ``offloaded 9/9 layers to
+        GPU`` and then puts every weight in ``CPU_Mapped``: when weight buffers were printed and
+        none of them is on an accelerator (or all of those are empty), nothing was offloaded.
+        """
+        if self.layers_offloaded is None:
+            return None
+        if self.layers_offloaded > 0 and self.model_buffers:
+            if not any(v > 0 for v in self.device_weights.values()):
+                return 0
+        return self.layers_offloaded
+
+    @property
+    def offload_fell_back(self) -> bool:
+        """The log claims offloaded layers but no accelerator holds any weights."""
+        return bool(self.layers_offloaded) and self.effective_layers_offloaded == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict of every field, by name (tuples become lists, dicts are copied)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, dict):
+                v = dict(v)
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Numbers
+# ----------------------------------------------------------------------------------------------
+
+# A printed decimal, with a decimal comma allowed (locales that print "1024,00 MiB").
+_NUM = r"\d+(?:[.,]\d+)?"
+# Size units llama.cpp prints. 2023 builds printed "MB" but divided by 1024*1024.
+_UNIT = r"(?:[KMG]i?B|B)\b"
+_UNIT_FACTOR = {"B": 1, "KB": 1024, "KIB": 1024, "MB": MiB, "MIB": MiB, "GB": 1024 * MiB, "GIB": 1024 * MiB}
+
+
+def _float(s: str | None) -> float | None:
+    if s is None:
+        return None
+    try:
+        v = float(s.replace(",", "."))
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _bytes(num: str, unit: str = "MiB") -> int | None:
+    v = _float(num)
+    if v is None:
+        return None
+    return int(round(v * _UNIT_FACTOR.get(unit.upper(), MiB)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Undoing transport damage
+# ----------------------------------------------------------------------------------------------
+
+# ANSI colour / cursor sequences (llama.cpp colours its log prefix when stderr is a tty).
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+# Transport prefixes: added by whatever carried the log, not by llama.cpp. Removed before a line
+# is stored in ``errors`` too.
+_TRANSPORT = [
+    # docker compose: "ollama  | ", "ollama-1  | " (service name, padding, bar)
+    re.compile(r"^[A-Za-z0-9][\w.-]*\s+\|(?:\s|$)"),
+    # journald / syslog: "Jun 01 12:00:00 host ollama[123]: "
+    re.compile(r"^[A-Z][a-z]{2}\s+\d{1,2}\s+\d{2}:\d{2}:\d{2}\s+\S+\s+[^\s:\[]+(?:\[\d+\])?:\s"),
+    # ISO timestamp, bracketed or not, optional zone, then optional CRI stream tag and
+    # "host proc[pid]:" (docker --timestamps, kubectl logs, rsyslog ISO format, LM Studio)
+    re.compile(r"^\[?\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?"
+               r"(?:\s+(?:stdout|stderr)\s+[FP])?(?:\s+\S+\s+[\w.-]+\[\d+\]:)?(?:\s+|$)"),
+    # llama.cpp common log with timestamps: "%d.%02d.%03d.%03d " then "I "/"W "/"E "/"D "
+    # (common/log.cpp, 2024+; --log-timestamps / llama-server default since 2025)
+    re.compile(r"^\d+\.\d{2}\.\d{3}\.\d{3}\s+(?:[IWEDT]\s)?"),
+]
+# The level letter the llama.cpp prefix carried: "E" means the line was logged as an error.
+_LLAMA_LEVEL = re.compile(r"^\d+\.\d{2}\.\d{3}\.\d{3}\s+([IWEDT])\s")
+# llama.cpp common log with --log-prefix but no timestamps: "I llama_context: ..." (only when a
+# "func:" follows, so prose starting with "I " is left alone)
+_BARE_LEVEL = re.compile(r"^([IWED])\s(?=[\w.]+:)")
+
+# Decorations: level words and bracket tags some tools put before the message
+# ("[DEBUG]" LM Studio headers, "[info] [WASI-NN] GGML backend: " WasmEdge,
+#  "INFO [          print_timings] " 2024 llama-server text log format).
+_DECOR = [
+    re.compile(r"^(?:\[[^\]\n]{0,60}\]\s*)+"),
+    re.compile(r"^(?:INFO|WARN(?:ING)?|ERROR|ERR|DEBUG|TRACE|FATAL|VERB)\b:?\s*(?=\[|$)"),
+]
+# A level word in front of the message ("ERROR: ...", "[ERROR] ...", "ERR [ load_model] ...",
+# 2024 llama-server text log): the carrier marked the line as an error.
+_ERROR_WORD_PREFIX = re.compile(r"^\[?(?:ERROR|ERR|FATAL|error|err|fatal)\b")
+
+# Glued lines. Progress dots (llama_model_load's progress callback prints "." without a newline)
+# directly followed by the next message: ".....llama_init_from_model: ..." (2026),
+# "....srv    load_model: ..." (2026 server).
+_GLUED_DOTS = re.compile(r"^(\.{3,})(?=[^.\s])")
+# A message that ends without "\n" followed by the next one: "( 2056.30 /  1536.00)ggml_backend_..."
+# (2024 Metal). Split before a known llama.cpp function prefix when the char before it cannot end
+# an identifier, or (for long, unmistakable prefixes) when it is not part of a longer identifier.
+_KNOWN_FUNC = (r"(?:llama_\w+|llm_\w+|ggml_\w+|gguf_\w+|load_tensors|print_info|load|alloc_tensor_range|"
+               r"sched_reserve|common_\w+|done_getting_tensors|main|system_info|srv\s+\w+|slot\s+\w+|build)")
+_LONG_FUNC = (r"(?:llm_load_tensors|load_tensors|llama_kv_cache\w*|llama_context|llama_new_context_with_model|"
+              r"llama_perf_\w+|llama_print_timings|ggml_backend_\w+|ggml_metal_\w+|llama_model_load\w*|"
+              r"alloc_tensor_range|print_info|llama_init_from_model)")
+_GLUE_SPLIT = re.compile(r"(?<=[)\]}>'\"])(?=" + _KNOWN_FUNC + r":\s)"
+                         r"|(?<=[^\s_/\\.\w])(?=" + _LONG_FUNC + r":\s)"
+                         r"|(?<=[A-Za-z0-9])(?=(?:llm_load_tensors|llama_kv_cache\w*|llama_new_context_with_model"
+                         r"|llama_perf_context_print|llama_print_timings|ggml_backend_\w+):\s)")
+
+# JSON log lines: llama-server 2024 ({"function":..,"level":"INFO","msg":"..."}) and
+# --log-jsonl 2026 ({"type":"log","level":"INFO","msg":"..."}); Ollama slog text lines
+# (time=.. level=ERROR source=.. msg="...").
+_JSON_MSG = re.compile(r"\"msg\"\s*:\s*\"((?:[^\"\\]|\\.)*)\"")
+_JSON_LEVEL = re.compile(r"\"level\"\s*:\s*\"(\w+)\"")
+_SLOG = re.compile(r"^time=\S+\s+level=(\w+)\b.*?\bmsg=\"((?:[^\"\\]|\\.)*)\"")
+_JSON_ESC = re.compile(r"\\(u[0-9a-fA-F]{4}|.)")
+_ESC_MAP = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"'}
+
+
+def _json_unescape(s: str) -> str:
+    def rep(m: re.Match[str]) -> str:
+        g = m.group(1)
+        if g.startswith("u") and len(g) == 5:
+            try:
+                return chr(int(g[1:], 16))
+            except ValueError:
+                return g
+        return _ESC_MAP.get(g, g)
+    return _JSON_ESC.sub(rep, s)
+
+
+@dataclass
+class _Line:
+    text: str          # message with transport prefixes and decorations removed (what regexes see)
+    shown: str         # message with transport prefixes removed (what ``errors`` stores)
+    error_level: bool  # the carrier said this line is an error (llama.cpp "E", JSON level, ...)
+    raw: str           # the physical line (for JSON fields)
+    structured: bool = False  # a JSON log line as a whole: read for fields only, not as a message
+
+
+def _strip_transport(line: str) -> tuple[str, bool]:
+    err = False
+    for _ in range(6):  # prefixes nest (docker + ISO + llama.cpp timestamp); bounded on purpose
+        before = line
+        line = line.lstrip()
+        m = _LLAMA_LEVEL.match(line)
+        if m and m.group(1) == "E":
+            err = True
+        for rx in _TRANSPORT:
+            line = rx.sub("", line, count=1).lstrip()
+        if line == before:
+            break
+    return line, err
+
+
+def _strip_decor(line: str) -> tuple[str, bool]:
+    err = bool(_ERROR_WORD_PREFIX.match(line))
+    for _ in range(4):
+        before = line
+        m = _BARE_LEVEL.match(line)
+        if m:
+            err = err or m.group(1) == "E"
+            line = line[2:]
+        for rx in _DECOR:
+            line = rx.sub("", line, count=1).lstrip()
+        if line == before:
+            break
+    return line, err
+
+
+def _unglue(line: str) -> list[str]:
+    m = _GLUED_DOTS.match(line)
+    if m:
+        line = line[m.end():]
+    return [p for p in _GLUE_SPLIT.split(line) if p.strip()] if line else []
+
+
+def _logical_lines(text: str) -> Iterator[_Line]:
+    text = _ANSI.sub("", text.replace("\x00", "").replace("\ufeff", "").replace("\u00a0", " "))
+    for raw in re.split(r"\r\n|\r|\n", text):
+        if not raw.strip():
+            continue
+        line, err_t = _strip_transport(raw)
+        extra: list[tuple[str, bool]] = []
+        stripped = line.lstrip()
+        if stripped.startswith("{") and '"msg"' in stripped:
+            m = _JSON_MSG.search(stripped)
+            lv = _JSON_LEVEL.search(stripped)
+            if m:
+                is_err = bool(lv and lv.group(1).upper() in ("ERROR", "ERR", "FATAL"))
+                extra = [(s, is_err) for s in _json_unescape(m.group(1)).split("\n")]
+        else:
+            m = _SLOG.match(stripped)
+            if m:
+                extra = [(s, m.group(1).upper() in ("ERROR", "ERR", "FATAL"))
+                         for s in _json_unescape(m.group(2)).split("\n")]
+        if extra:
+            # the JSON line itself is still offered (for "timings" / "build" fields)
+            yield _Line(stripped, stripped, False, raw, structured=True)
+            pieces = extra
+        else:
+            pieces = [(line, err_t)]
+        for piece, err in pieces:
+            shown_piece, err2 = _strip_transport(piece) if extra else (piece, err)
+            for part in _unglue(shown_piece):
+                shown = part.strip()
+                msg, err3 = _strip_decor(shown)
+                msg = msg.strip()
+                if msg:
+                    yield _Line(msg, shown, err or err2 or err3, raw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Format-string regexes. Each comment: the llama.cpp format string, and the era that printed it.
+# Regexes see a message with prefixes removed; whitespace may have been collapsed by a paste, so
+# padding is always \s* / \s+.
+# ----------------------------------------------------------------------------------------------
+
+# "%s: loaded meta data with %d key-value pairs and %d tensors from %s (version %s)"
+#   llama_model_loader, every GGUF era (Aug 2023 -> 2026): first line of a model load pass.
+_RX_LOAD_START = re.compile(r"^llama_model_loader:\s*loaded meta data with\b")
+
+# "%s: offloaded %d/%d layers to GPU"
+#   llama_model_load_internal (2023 GGML), llm_load_tensors (2023-2024), load_tensors (2025-2026)
+_RX_OFFLOADED = re.compile(r"\boffloaded\s+(\d+)\s*/\s*(\d+)\s+layers\s+to\s+GPU")
+
+# "load_tensors: layer %3d assigned to device %s, is_swa = %d"  (LLAMA_LOG_DEBUG, 2025-2026)
+# "llm_load_tensors: layer %3d assigned to device %s"            (LLAMA_LOG_DEBUG, late 2024)
+_RX_LAYER_ASSIGN = re.compile(r"^(?:llm_)?load_tensors:\s*layer\s+(\d+)\s+assigned\s+to\s+device\s+([^\s,]+)")
+
+# any line of the tensor loading step: "load_tensors: ..." (2025-2026), "llm_load_tensors: ..." (2023-2024)
+_RX_LOAD_TENSORS_ANY = re.compile(r"^(?:llm_)?load_tensors:")
+
+# "%s: n_layer = %u"  print_info (2025-2026), llm_load_print_meta (2023-2024)
+_RX_N_LAYER = re.compile(r"^(?:print_info|llm_load_print_meta):\s*n_layer\s*=\s*(\d+)\s*$")
+
+# "%s: %12s model buffer size = %8.2f MiB"  llm_load_tensors (late 2024), load_tensors (2025-2026)
+# "%s: %10s buffer size = %8.2f MiB"        llm_load_tensors (early-mid 2024, ik_llama.cpp)
+_RX_MODEL_BUF = re.compile(r"^(?:llm_)?load_tensors:\s*(\S+)\s+(?:model\s+)?buffer\s+size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: VRAM used: %.2f MB"           llm_load_tensors / llama_model_load_internal (Jul-Nov 2023, CUDA/CLBlast)
+# "%s: VRAM used           = %7.2f MiB"  llm_load_tensors (Dec 2023)
+# (the "total VRAM used: ..." summary line is model + context and is deliberately not matched)
+_RX_VRAM_USED = re.compile(r"^\w+:\s*VRAM used\s*[:=]\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: mem required  = %7.2f MB (+ %7.2f MB per state)"  llama_model_load_internal (mid 2023 GGML)
+# "%s: mem required  = %7.2f MB"                         llm_load_tensors (Aug-Nov 2023 GGUF)
+_RX_MEM_REQUIRED = re.compile(r"^\w+:\s*mem required\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: system memory used  = %7.2f MiB"  llm_load_tensors (Dec 2023)
+_RX_SYS_MEM = re.compile(r"^\w+:\s*system memory used\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: allocated '%-16s' buffer, size = %8.2f MB"  ggml_metal_add_buffer (2023 Metal; the model
+#   weights are the 'data' buffers, 'kv' the KV cache, 'eval'/'alloc'/'scr0'/'scr1' compute)
+_RX_METAL_ADD = re.compile(r"^ggml_metal_add_buffer:\s*allocated\s+'\s*(\w+)\s*'\s+buffer,\s*size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: %10s KV buffer size = %8.2f MiB"  llama_kv_cache_init (2024), llama_kv_cache_unified
+#   (2025), llama_kv_cache (2026)
+_RX_KV_BUF = re.compile(r"^[\w.]+:\s*(\S+)\s+KV\s+buffer\s+size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: %10s RS buffer size = %8.2f MiB"  llama_memory_recurrent (2025-2026): the recurrent state of
+#   Mamba-style layers; it is context memory on that device, so it is counted with the KV buffers
+_RX_RS_BUF = re.compile(r"^[\w.]+:\s*(\S+)\s+RS\s+buffer\s+size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: VRAM kv self = %.2f MB"  llama_kv_cache_init (2023 CUDA, KV offloaded)
+_RX_VRAM_KV = re.compile(r"^\w+:\s*VRAM kv self\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: kv self size  = %7.2f MB"                                       (2023)
+# "%s: KV self size  = %7.2f MiB, K (%s): %7.2f MiB, V (%s): %7.2f MiB"  llama_new_context_with_model
+#   (Dec 2023-2024), llama_kv_cache_unified (early-mid 2025)
+_RX_KV_SELF = re.compile(r"^\w+:\s*KV self size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")"
+                         r"(?:\s*,\s*K\s*\((\w+)\)\s*:\s*" + _NUM + r"\s*" + _UNIT + r"\s*,\s*V\s*\((\w+)\))?",
+                         re.IGNORECASE)
+
+# "%s: size = %7.2f MiB (%6u cells, %3d layers, %2u/%u seqs), K (%s): %7.2f MiB, V (%s): %7.2f MiB"
+#   llama_kv_cache_unified (mid 2025, "%2u seqs"), llama_kv_cache (late 2025-2026, "%2u/%u seqs").
+#   A SWA model prints it twice (non-SWA and SWA cache): the sizes add up.
+_RX_KV_SIZE = re.compile(r"^llama_kv_cache\w*:\s*size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")"
+                         r"(?:\s*\(\s*(\d+)\s*cells\b[^)]*\))?"
+                         r"(?:\s*,\s*K\s*\((\w+)\)\s*:\s*" + _NUM + r"\s*" + _UNIT + r"\s*,\s*V\s*\((\w+)\))?")
+
+# "%s: kv_size = %u, type_k = '%s', type_v = '%s', n_layer = %d, ..."  llama_kv_cache_init (2024),
+#   llama_kv_cache_unified (early-mid 2025)
+_RX_KV_INIT = re.compile(r"^\w+:\s*kv_size\s*=\s*(\d+)\s*,\s*type_k\s*=\s*'(\w+)'\s*,\s*type_v\s*=\s*'(\w+)'")
+
+# "%s: %10s compute buffer size = %8.2f MiB"  llama_new_context_with_model (2024), llama_context /
+#   sched_reserve (2025-2026)
+_RX_COMPUTE = re.compile(r"^[\w.]+:\s*(\S+)\s+compute\s+buffer\s+size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: %10s input buffer size   = %8.2f MiB"  llama_new_context_with_model (early 2024)
+_RX_INPUT = re.compile(r"^[\w.]+:\s*(\S+)\s+input\s+buffer\s+size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: compute buffer total size = %7.2f MB"  llama_new_context_with_model (2023, no device named)
+_RX_COMPUTE_TOTAL = re.compile(r"^\w+:\s*compute buffer total size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: VRAM scratch buffer: %.2f MB"  llama_new_context_with_model (2023 CUDA)
+_RX_VRAM_SCRATCH = re.compile(r"^\w+:\s*VRAM scratch buffer\s*[:=]\s*(" + _NUM + r")\s*(" + _UNIT + r")")
+
+# "%s: constructing llama_context"  llama_context (2025-2026): first line of a context
+_RX_CTX_START = re.compile(r"^llama_context:\s*constructing llama_context\b")
+
+# "%s: n_ctx      = %u"  llama_new_context_with_model (2023-2024), llama_context (2025-2026),
+#   llama_model_load_internal (2023 GGML)
+_RX_N_CTX = re.compile(r"^(llama_new_context_with_model|llama_context|llama_init_from_model|"
+                       r"llama_model_load_internal):\s*n_ctx\s*=\s*(\d+)")
+# "generate: n_ctx = %d, n_batch = %d, ..." (llama-cli) and any other "func: n_ctx = N": fallback only
+_RX_N_CTX_ANY = re.compile(r"^[\w.]+:\s*n_ctx\s*=\s*(\d+)")
+# "%s: n_ctx_per_seq = %u" (late 2024-2025), "%s: n_ctx_seq = %u" (2026), and the warning
+# "%s: n_ctx_per_seq (%u) < n_ctx_train (%u) -- ..." / "n_ctx_seq (%u) < ..."
+_RX_N_CTX_SEQ = re.compile(r"\bn_ctx_(?:per_)?seq\s*(?:=\s*(\d+)|\(\s*(\d+)\s*\))")
+# "%s: n_seq_max     = %u"  (late 2024-2026)
+_RX_N_SEQ_MAX = re.compile(r"^\w+:\s*n_seq_max\s*=\s*(\d+)")
+# "%s: setting dry_penalty_last_n to ctx_size = %d"  common_init_from_params (2024-2025)
+_RX_CTX_SIZE = re.compile(r"\bctx_size\s*=\s*(\d+)")
+# "new slot n_ctx_slot = %d" (llama-server 2024-2025)
+_RX_N_CTX_SLOT = re.compile(r"\bn_ctx_slot\s*=\s*(\d+)")
+
+# "%s: using device %s (%s) - %zu MiB free"       llama_load_model_from_file (late 2024),
+#   llama_model_load_from_file_impl (2025)
+# "%s: using device %s (%s) (%s) - %zu MiB free"  llama_model_load_from_file_impl (2026, + device id)
+_RX_USING_DEVICE = re.compile(r"\busing device\s+(\S+)\s+\(.*\)\s*-\s*(\d+)\s*MiB free")
+
+# "%s: | %s | %s = %s + (%s = %s + %s + %s) + %s |"  llama_memory_breakdown_print (late 2025) /
+#   common_memory_breakdown_print (2026): "|   - CUDA0 (RTX 4090)   | total = free + (self = ...)"
+_RX_BREAKDOWN = re.compile(r"memory_breakdown_print:\s*\|\s*-\s*(\S+)\s+\(.*?\)\s*\|\s*(\d+)\s*=\s*(\d+)\s*\+\s*\(")
+
+# "%s: prompt eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)"
+# "%s:        eval time = %10.2f ms / %5d runs   (%8.2f ms per token, %8.2f tokens per second)"
+#   llama_print_timings (2023-2024), llama_perf_context_print (2024-2026), llama-server
+#   print_timings (2024 text log "prompt eval time     =" / "generation eval time ="), llama-server
+#   "slot print_timing: id %2d | task %d | prompt eval time = ..." (2025-2026, same line or next).
+#   "sample time" / "sampling time" (llama_perf_sampler_print) is sampling speed, never eval speed,
+#   and the progress lines "n_decoded = %d, tg = %.2f t/s" are not final figures: neither matches.
+_RX_TIMING = re.compile(r"(?:^|[:|\]]\s*)(prompt eval|generation eval|eval)\s+time\s*=\s*(" + _NUM + r")\s*ms\s*/\s*(\d+)\s*"
+                        r"(?:tokens|runs)\s*\(\s*(?:" + _NUM + r"|[-+]?(?:inf|nan))\s*ms per token\s*,\s*"
+                        r"(" + _NUM + r"|[-+]?(?:inf|nan))\s*tokens per second", re.IGNORECASE)
+# llama-server response JSON: "timings": {..., "prompt_per_second": %f, ..., "predicted_per_second": %f}
+_JSON_NUM = r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"
+_RX_JSON_PP = re.compile(r"\"prompt_per_second\"\s*:\s*(" + _JSON_NUM + r")")
+_RX_JSON_TG = re.compile(r"\"predicted_per_second\"\s*:\s*(" + _JSON_NUM + r")")
+
+# "build: %d (%s) with %s for %s"      common (2024-2025), and llama-cli/server first lines
+# "%s: build = %d (%s)"                main / server (2023-early 2024)
+# "%s: build %d (%s) with %s for %s%s" common_params_print_info (2026)
+# "llama.cpp build %d" (tools quoting the build number)
+_RX_BUILD = re.compile(r"(?<![\w.])build\s*[:=]?\s*(\d+)\s*\(\s*([0-9a-fA-F]{4,40})\s*\)")
+# "\nbuild: %s (%d)\n"  llama-bench footer (commit first, then number)
+_RX_BUILD_BENCH = re.compile(r"^build:\s*([0-9a-f]{6,40})\s*\(\s*(\d+)\s*\)\s*$")
+# "version: %d (%s)" (--version, 2024-2025); "version: %s (build %d, commit %s)" (2026)
+_RX_VERSION = re.compile(r"^version:\s*(\d+)\s*\(\s*([0-9a-f]{4,40})\s*\)")
+_RX_VERSION_2026 = re.compile(r"\(build\s+(\d+),\s*commit\s+([0-9a-f]{4,40})\)")
+_RX_BUILD_LOOSE = re.compile(r"\bllama\.cpp\s+build\s*[:#=]?\s*(\d+)\b", re.IGNORECASE)
+# llama-server 2024 JSON "build info" line: {"build":2750,"commit":"abc1234",...}
+_RX_JSON_BUILD = re.compile(r"\"build\"\s*:\s*(\d+)")
+_RX_JSON_COMMIT = re.compile(r"\"commit\"\s*:\s*\"([0-9a-fA-F]{4,40})\"")
+
+# ---- allocation failures (oom) -----------------------------------------------------------------
+_OOM = re.compile("|".join([
+    # "%s: allocating %.2f MiB on device %d: cudaMalloc failed: %s"  ggml-cuda (2024-2026; the ROCm
+    #   and MUSA builds print the same text through the cuda* aliases)
+    r"(?:cuda|hip|musa)Malloc failed:\s*out of memory",
+    r"hipMalloc failed",
+    # GGML_CUDA_NAME " error: %s" (2024-2026: "CUDA error: out of memory", "ROCm error: ...");
+    # "CUDA error %d at %s:%d: %s" (2023)
+    r"\b(?:CUDA|ROCm|HIP|MUSA|SYCL|CANN)\s+error(?:\s+\d+)?(?:\s+at\s+\S+)?\s*:\s*out of memory",
+    # Vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory (2024-2026) / host / pool
+    r"ErrorOutOf(?:Device|Host|Pool)Memory",
+    # "ggml_vulkan: Device memory allocation of size %zu failed." (2024-2026)
+    r"Device memory allocation of size \d+ failed",
+    # Metal: "error: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)"
+    r"Insufficient Memory",
+    r"kIOGPUCommandBufferCallbackErrorOutOfMemory",
+    # "%s: failed to allocate %s buffer of size %zu"  alloc_tensor_range / ggml_gallocr_reserve_n
+    #   (2024-2026, also "RPC0[host:port]" buffers); "%s: error: failed to allocate buffer, size =
+    #   %8.2f MiB" (Metal 2024-2026); "failed to allocate '%-16s' buffer" (Metal 2023);
+    #   "failed to allocate compute buffers" / "failed to allocate buffer for kv cache" (llama)
+    r"failed to allocate\b.*\bbuffers?\b",
+    # "%s: failed to allocate Metal buffer of %zu bytes (out of memory)" (2026)
+    r"failed to allocate Metal buffer",
+    # "unable to allocate %s buffer" (llama-model.cpp, error loading model, 2024-2026),
+    # "unable to allocate backend buffer"
+    r"unable to allocate\b",
+    # "%s: can't allocate %zu Bytes of memory on device" (SYCL)
+    r"can't allocate \d+ Bytes of memory",
+    # "%s: failed to allocate %6.2f MB" (ggml.c aligned malloc), "failed to allocate memory"
+    r"failed to allocate\s+(?:" + _NUM + r"\s*(?:[KMG]i?B|bytes)|memory)",
+    # host RAM: C++ allocation failure, mmap failure (ENOMEM)
+    r"std::bad_alloc",
+    r"\bmmap failed\b",
+    r"Cannot allocate memory",
+    # "ggml_new_object: not enough space in the context's memory pool" (2023)
+    r"not enough space in the context's memory pool",
+    # OpenCL (2023 CLBlast, 2025 Adreno backend)
+    r"CL_MEM_OBJECT_ALLOCATION_FAILURE|CL_OUT_OF_(?:HOST_MEMORY|RESOURCES)",
+]), re.IGNORECASE)
+# "out of memory" alone: only on a log-shaped line ("func: ..." or "... error ..."), so model
+# output that happens to say it is not an OOM.
+_OOM_GENERIC = re.compile(r"\bout of memory\b", re.IGNORECASE)
+_LOGLIKE = re.compile(r"^[\w.:/\[\]-]+:\s|\berror\b", re.IGNORECASE)
+# Allocation failures llama.cpp recovers from by design. Not OOM, not errors:
+# "%s: failed to allocate %.2f MiB of pinned memory: %s" (ggml-cuda, falls back to pageable memory),
+# "WARNING: failed to allocate %.2f MB of pinned memory" (SYCL/Vulkan), "%s: failed to allocate
+# %zu bytes for reorder temp buffer, skipping reorder" (SYCL), "%s: failed to allocate host buffer
+# for async uploads for device %s" (llama-model-loader 2025+, loads synchronously instead),
+# "warning: failed to mlock %zu-byte buffer ...: Cannot allocate memory" (llama-mmap).
+_NON_FATAL = re.compile(r"pinned memory|falling back|skipping|async uploads|\bwarning\b", re.IGNORECASE)
+
+# ---- failure lines (errors) --------------------------------------------------------------------
+_ERROR_LINE = re.compile("|".join([
+    # "%s:%d: GGML_ASSERT(%s) failed" / GGML_ABORT / ggml_abort (ggml.c, 2024-2026)
+    r"GGML_ASSERT\b", r"GGML_ABORT\b", r"\bggml_abort\b",
+    # "func: ... error ..." / "func: ... failed ..." (LLAMA_LOG_ERROR messages: "error loading
+    # model: %s", "failed to load model", "failed to initialize the context: %s", ...)
+    r"(?i:^[\w.\[\]<>~:/ -]{1,80}?:\s.*\b(?:error|failed|failure|fatal)\b)",
+    # bare "error: ..." lines (Metal "error: Caused GPU Timeout Error ...", common "error: ...")
+    r"^(?:error|fatal error|FATAL)\b",
+    # "ERR [ load_model] unable to load model | ..." (2024 server text log, ik_llama.cpp)
+    r"^ERR\b",
+    # process death as printed by the C++ runtime, glibc, the shell, Go (Ollama)
+    r"^terminate called\b", r"^\s*what\(\):", r"^panic:", r"^Segmentation fault\b", r"^Aborted\b",
+    r"^(?:free|malloc|realloc|munmap_chunk|double free|corrupted)\b.*\(\)", r"^Illegal instruction\b",
+    r"^Bus error\b", r"^Floating point exception\b",
+    # "CUDA error: %s" / "ROCm error" / "Vulkan error" (device errors other than OOM)
+    r"\b(?:CUDA|ROCm|HIP|MUSA|SYCL|Vulkan|Metal)\s+error\b",
+]))
+# Metadata dumps can contain any word (token texts, chat templates): never failure lines.
+_METADATA = re.compile(r"^(?:print_info|llm_load_print_meta|llama_model_loader:\s*-\s*(?:kv|type)\b|"
+                       r"load:\s|llm_load_vocab|init_tokenizer)")
+
+
+# ----------------------------------------------------------------------------------------------
+# The parser
+# ----------------------------------------------------------------------------------------------
+
+class _Pass:
+    """Model-scoped state of one load pass."""
+
+    def __init__(self) -> None:
+        self.layers_offloaded: int | None = None
+        self.layers_total: int | None = None
+        self.model_buffers: dict[str, int] = {}
+        self.assignments: dict[int, str] = {}
+        self.assign_closed = False   # a load line followed the assignment block (it is complete)
+        self.n_layer: int | None = None
+
+
+class _Ctx:
+    """Context-scoped state of one context creation."""
+
+    def __init__(self) -> None:
+        self.kv_buffers: dict[str, int] = {}
+        self.compute_buffers: dict[str, int] = {}
+        self.kv_sizes: list[int] = []
+        self.type_k: str | None = None
+        self.type_v: str | None = None
+        self.n_ctx: int | None = None
+        self.cells: int | None = None
+        self.n_ctx_seq: int | None = None
+        self.n_seq_max: int | None = None
+        self.ctx_size: int | None = None
+        self.n_ctx_any: int | None = None
+        self.n_ctx_slot: int | None = None
+
+    def has_data(self) -> bool:
+        return bool(self.kv_buffers or self.compute_buffers or self.kv_sizes)
+
+    def n_ctx_best(self) -> int | None:
+        # the context line itself, else what the KV cache was sized to, else per-seq size (one
+        # sequence unless the log said otherwise), else the ctx_size common printed
+        if self.n_ctx is not None:
+            return self.n_ctx
+        if self.cells is not None:
+            return self.cells
+        if self.n_ctx_seq is not None:
+            return self.n_ctx_seq * (self.n_seq_max or 1)
+        for v in (self.ctx_size, self.n_ctx_any, self.n_ctx_slot):
+            if v is not None:
+                return v
+        return None
+
+
+def _add(d: dict[str, int], key: str, value: int | None) -> None:
+    if value is not None:
+        d[key] = d.get(key, 0) + value
+
+
+class _Parser:
+    def __init__(self) -> None:
+        self.p = _Pass()
+        self.c = _Ctx()
+        self.oom = False
+        self.errors: list[str] = []
+        self.devices: dict[str, int] = {}
+        self.breakdown_free: dict[str, int] = {}
+        self.prompt_tps: float | None = None
+        self.eval_tps: float | None = None
+        self.build: str | None = None
+
+    # -- pass bookkeeping --
+    def _new_pass(self) -> None:
+        self.p = _Pass()
+        self.c = _Ctx()
+
+    def _new_ctx(self) -> None:
+        self.c = _Ctx()
+
+    def _pass_has_data(self) -> bool:
+        return bool(self.p.model_buffers or self.p.layers_offloaded is not None or self.p.assignments)
+
+    # -- one logical line --
+    def feed(self, ln: _Line) -> None:
+        t = ln.text
+        if ln.structured:
+            self._build(t, ln.raw)
+            self._timings(t)
+            return
+        self._failures(ln)
+        if self._build(t, ln.raw):
+            return
+        if self._timings(t):
+            return
+        if self._model(t):
+            return
+        self._context(t)
+        self._memory(t)
+
+    def _failures(self, ln: _Line) -> None:
+        t = ln.text
+        if _METADATA.match(t):
+            return
+        non_fatal = bool(_NON_FATAL.search(t))
+        is_oom = not non_fatal and (bool(_OOM.search(t)) or (bool(_OOM_GENERIC.search(t)) and bool(_LOGLIKE.search(t))))
+        if is_oom:
+            self.oom = True
+        if is_oom or (not non_fatal and (ln.error_level or _ERROR_LINE.search(t))):
+            self.errors.append(ln.shown)
+
+    def _build(self, t: str, raw: str) -> bool:
+        if self.build is not None:
+            return False
+        m = _RX_BUILD_BENCH.match(t)
+        if m:
+            self.build = f"{m.group(2)} ({m.group(1)})"
+            return True
+        m = _RX_VERSION.match(t) or _RX_VERSION_2026.search(t) or _RX_BUILD.search(t)
+        if m:
+            self.build = f"{m.group(1)} ({m.group(2)})"
+            return True
+        m = _RX_BUILD_LOOSE.search(t)
+        if m:
+            self.build = m.group(1)
+            return True
+        if t.startswith("{"):
+            m = _RX_JSON_BUILD.search(t)
+            if m:
+                c = _RX_JSON_COMMIT.search(t)
+                self.build = f"{m.group(1)} ({c.group(1)})" if c else m.group(1)
+        return False
+
+    def _timings(self, t: str) -> bool:
+        m = _RX_TIMING.search(t)
+        if m:
+            kind = m.group(1).lower()
+            tps = _float(m.group(4))
+            if tps is None:
+                # "inf"/"nan" printed for a zero-time run: derive from ms and count when possible
+                ms, n = _float(m.group(2)), int(m.group(3))
+                tps = (1e3 * n / ms) if ms else None
+            if kind == "prompt eval":
+                self.prompt_tps = tps
+            else:
+                self.eval_tps = tps
+            return True
+        found = False
+        m = _RX_JSON_PP.search(t)
+        if m:
+            self.prompt_tps = _float(m.group(1))
+            found = True
+        m = _RX_JSON_TG.search(t)
+        if m:
+            self.eval_tps = _float(m.group(1))
+            found = True
+        return found
+
+    def _model(self, t: str) -> bool:
+        p = self.p
+        if _RX_LOAD_START.match(t):
+            if self._pass_has_data() or self.c.has_data():
+                self._new_pass()
+            return True
+        m = _RX_OFFLOADED.search(t)
+        if m:
+            # a second offload summary in the same pass, or one after a context was built,
+            # means a new load pass (fit dry run, then the real load) that printed no loader line
+            if p.layers_offloaded is not None or self.c.has_data():
+                self._new_pass()
+                p = self.p
+            p.layers_offloaded, p.layers_total = int(m.group(1)), int(m.group(2))
+            p.assign_closed = p.assign_closed or bool(p.assignments)
+            return True
+        m = _RX_LAYER_ASSIGN.match(t)
+        if m:
+            il = int(m.group(1))
+            if il in p.assignments or self.c.has_data():
+                self._new_pass()
+                p = self.p
+            p.assignments[il] = m.group(2)
+            return True
+        m = _RX_N_LAYER.match(t)
+        if m:
+            p.n_layer = int(m.group(1))
+            return True
+        for rx, label in ((_RX_MODEL_BUF, None), (_RX_VRAM_USED, "VRAM used"),
+                          (_RX_MEM_REQUIRED, "mem required (host)"), (_RX_SYS_MEM, "system memory used")):
+            m = rx.match(t)
+            if m:
+                if self.c.has_data():
+                    self._new_pass()
+                    p = self.p
+                if label is None:
+                    _add(p.model_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
+                else:
+                    _add(p.model_buffers, label, _bytes(m.group(1), m.group(2)))
+                p.assign_closed = p.assign_closed or bool(p.assignments)
+                return True
+        m = _RX_METAL_ADD.match(t)
+        if m:
+            # 2023 Metal maps buffers after the context exists, so no pass logic here
+            kind, size = m.group(1).lower(), _bytes(m.group(2), m.group(3))
+            if kind == "data":
+                _add(p.model_buffers, "Metal", size)
+            elif kind == "kv":
+                _add(self.c.kv_buffers, "Metal", size)
+            else:
+                _add(self.c.compute_buffers, "Metal", size)
+            return True
+        # any other "load_tensors: ..." / "llm_load_tensors: ..." line after the assignment block
+        # (e.g. "%s: offloading %d repeating layers to GPU") means the block is complete
+        if p.assignments and _RX_LOAD_TENSORS_ANY.match(t):
+            p.assign_closed = True
+        return False
+
+    def _context(self, t: str) -> None:
+        c = self.c
+        if _RX_CTX_START.match(t):
+            self._new_ctx()
+            return
+        m = _RX_N_CTX.match(t)
+        if m:
+            if c.has_data():
+                self._new_ctx()
+                c = self.c
+            c.n_ctx = int(m.group(2))
+            return
+        m = _RX_KV_BUF.match(t)
+        if m:
+            _add(c.kv_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
+            return
+        m = _RX_RS_BUF.match(t)
+        if m:
+            _add(c.kv_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
+            return
+        m = _RX_VRAM_KV.match(t)
+        if m:
+            _add(c.kv_buffers, "VRAM", _bytes(m.group(1), m.group(2)))
+            return
+        m = _RX_KV_SELF.match(t)
+        if m:
+            size = _bytes(m.group(1), m.group(2))
+            if size is not None:
+                c.kv_sizes.append(size)
+            c.type_k = m.group(3) or c.type_k
+            c.type_v = m.group(4) or c.type_v
+            return
+        m = _RX_KV_SIZE.match(t)
+        if m:
+            size = _bytes(m.group(1), m.group(2))
+            if size is not None:
+                c.kv_sizes.append(size)
+            if m.group(3):
+                c.cells = max(c.cells or 0, int(m.group(3)))
+            c.type_k = m.group(4) or c.type_k
+            c.type_v = m.group(5) or c.type_v
+            return
+        m = _RX_KV_INIT.match(t)
+        if m:
+            c.cells = max(c.cells or 0, int(m.group(1)))
+            c.type_k, c.type_v = m.group(2), m.group(3)
+            return
+        m = _RX_COMPUTE.match(t)
+        if m:
+            _add(c.compute_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
+            return
+        m = _RX_INPUT.match(t)
+        if m:
+            _add(c.compute_buffers, f"{m.group(1)} input", _bytes(m.group(2), m.group(3)))
+            return
+        m = _RX_COMPUTE_TOTAL.match(t)
+        if m:
+            _add(c.compute_buffers, "compute buffer total", _bytes(m.group(1), m.group(2)))
+            return
+        m = _RX_VRAM_SCRATCH.match(t)
+        if m:
+            _add(c.compute_buffers, "VRAM scratch", _bytes(m.group(1), m.group(2)))
+            return
+        m = _RX_N_SEQ_MAX.match(t)
+        if m:
+            c.n_seq_max = int(m.group(1))
+            return
+        m = _RX_N_CTX_SEQ.search(t)
+        if m:
+            c.n_ctx_seq = int(m.group(1) or m.group(2))
+            return
+        m = _RX_N_CTX_ANY.match(t)
+        if m:
+            c.n_ctx_any = int(m.group(1))
+            return
+        m = _RX_CTX_SIZE.search(t)
+        if m:
+            c.ctx_size = int(m.group(1))
+            return
+        m = _RX_N_CTX_SLOT.search(t)
+        if m:
+            c.n_ctx_slot = int(m.group(1))
+
+    def _memory(self, t: str) -> None:
+        m = _RX_USING_DEVICE.search(t)
+        if m:
+            # free memory right before the load: the figure a tuner wants
+            self.devices[m.group(1)] = int(m.group(2)) * MiB
+            return
+        m = _RX_BREAKDOWN.search(t)
+        if m:
+            # the exit-time table: used only for devices the load lines did not report
+            self.breakdown_free[m.group(1)] = int(m.group(3)) * MiB
+
+    # -- result --
+    def report(self) -> LoadReport:
+        p, c = self.p, self.c
+        offloaded, total = p.layers_offloaded, p.layers_total
+        if offloaded is None and p.assignments:
+            # every "layer N assigned to device X" line of the pass (0..n_layer, the last one being
+            # the output layer) -> count; only when the block is complete, else a cut log would
+            # undercount
+            idx = sorted(p.assignments)
+            complete = idx == list(range(len(idx))) and (
+                p.n_layer + 1 == len(idx) if p.n_layer is not None else p.assign_closed)
+            if complete:
+                total = len(idx)
+                offloaded = sum(1 for d in p.assignments.values() if not d.upper().startswith("CPU"))
+        devices = dict(self.devices)
+        for k, v in self.breakdown_free.items():
+            devices.setdefault(k, v)
+        kv_size = sum(c.kv_sizes) if c.kv_sizes else (sum(c.kv_buffers.values()) if c.kv_buffers else None)
+        return LoadReport(
+            layers_offloaded=offloaded,
+            layers_total=total,
+            oom=self.oom,
+            model_buffers=dict(p.model_buffers),
+            kv_buffers=dict(c.kv_buffers),
+            compute_buffers=dict(c.compute_buffers),
+            kv_size=kv_size,
+            type_k=c.type_k,
+            type_v=c.type_v,
+            n_ctx=c.n_ctx_best(),
+            devices=devices,
+            prompt_tps=self.prompt_tps,
+            eval_tps=self.eval_tps,
+            build=self.build,
+            errors=tuple(self.errors),
+        )
+
+
+def parse_log(text: str) -> LoadReport:
+    """Parse a llama.cpp log (any era, any carrier). Never raises; garbage gives an empty report."""
+    if text is None:
+        return LoadReport()
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", errors="replace")
+    if not isinstance(text, str):
+        return LoadReport()
+    parser = _Parser()
+    try:
+        lines = _logical_lines(text)
+        while True:
+            try:
+                ln = next(lines)
+            except StopIteration:
+                break
+            try:
+                parser.feed(ln)
+            except Exception:  # noqa: BLE001 - one odd line must not cost the rest of the log
+                continue
+        return parser.report()
+    except Exception:  # noqa: BLE001 - the promise is "never raises"
+        return LoadReport()
+
+
+# ----------------------------------------------------------------------------------------------
+# Human-readable summary
+# ----------------------------------------------------------------------------------------------
+
+def _mib(b: int | None) -> str:
+    return "?" if b is None else f"{b / MiB:.2f} MiB"
+
+
+def _per_device(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {_mib(v)}" for k, v in d.items()) if d else "-"
+
+
+def format_report(report: LoadReport) -> str:
+    """A few lines for a terminal: layers, buffers per device, KV, compute, n_ctx, speed, errors."""
+    r = report
+    lines: list[str] = []
+    if r.layers_offloaded is None:
+        layers = "layers: not in log"
+    else:
+        layers = f"layers: {r.layers_offloaded}/{r.layers_total if r.layers_total is not None else '?'} offloaded"
+        if r.layers_offloaded == 0:
+            layers += " (nothing offloaded)"
+        elif r.partial_offload:
+            layers += " (partial offload!)"
+        if r.offload_fell_back:
+            layers += " (but no accelerator holds weights: offload did not happen)"
+    lines.append(layers + (f"   build {r.build}" if r.build else ""))
+    lines.append(f"weights: {_per_device(r.model_buffers)}")
+    kv = f"KV: {_mib(r.kv_size) if r.kv_size is not None else '-'}"
+    if r.type_k or r.type_v:
+        kv += f" (K {r.type_k or '?'}, V {r.type_v or '?'})"
+    if r.kv_buffers:
+        kv += f" on {_per_device(r.kv_buffers)}"
+    lines.append(kv + (f"   n_ctx {r.n_ctx}" if r.n_ctx is not None else ""))
+    lines.append(f"compute: {_per_device(r.compute_buffers)}")
+    if r.devices:
+        lines.append(f"free before load: {_per_device(r.devices)}")
+    pp = f"{r.prompt_tps:.2f}" if r.prompt_tps is not None else "-"
+    tg = f"{r.eval_tps:.2f}" if r.eval_tps is not None else "-"
+    lines.append(f"speed: prompt {pp} t/s, eval {tg} t/s")
+    if r.oom:
+        lines.append("OUT OF MEMORY")
+    if r.errors:
+        lines.append(f"errors ({len(r.errors)}):")
+        lines.extend(f"  {e}" for e in r.errors[:10])
+        if len(r.errors) > 10:
+            lines.append(f"  ... {len(r.errors) - 10} more")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Accuracy against a truth file (tests/logs/truth.json) and a small CLI
+# ----------------------------------------------------------------------------------------------
+
+# truth field -> how to read the same thing from a LoadReport (sizes in MiB)
+def _mib_dict(d: dict[str, int]) -> dict[str, float]:
+    return {k: v / MiB for k, v in d.items()}
+
+
+_TRUTH_FIELDS: dict[str, Any] = {
+    "layers_offloaded": lambda r: r.layers_offloaded,
+    "layers_total": lambda r: r.layers_total,
+    "oom": lambda r: r.oom,
+    "model_buffers": lambda r: _mib_dict(r.model_buffers),
+    "devices": lambda r: _mib_dict(r.device_weights),
+    "kv_mib": lambda r: None if r.kv_size is None else r.kv_size / MiB,
+    "kv_by_device": lambda r: _mib_dict(r.kv_buffers),
+    "compute_by_device": lambda r: _mib_dict(r.compute_buffers),
+    "n_ctx": lambda r: r.n_ctx,
+    "prompt_tps": lambda r: r.prompt_tps,
+    "eval_tps": lambda r: r.eval_tps,
+}
+
+
+def truth_matches(expected: Any, got: Any, tol: float = 0.01) -> bool:
+    """Compare one truth value with a parsed one: numbers within ``tol``; dicts by key set and
+    value (a truth list of values means "these lines, summed")."""
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(expected) != set(got):
+            return False
+        return all(truth_matches(v, got[k], tol) for k, v in expected.items())
+    if isinstance(expected, list):
+        return truth_matches(sum(expected), got, tol)
+    if isinstance(expected, bool) or expected is None:
+        return got is expected or got == expected
+    if isinstance(expected, (int, float)):
+        return isinstance(got, (int, float)) and not isinstance(got, bool) and abs(got - expected) <= tol + 1e-9
+    return expected == got
+
+
+def accuracy_report(logs_dir: Any, *, out: Any = None) -> dict[str, tuple[int, int]]:
+    """Per-field accuracy of ``parse_log`` over ``logs_dir/truth.json``: fields correct / fields
+    with a (non-null) truth value. Prints a table to ``out`` (stdout by default) and returns
+    ``{field: (correct, with_truth)}`` with the total under ``"ALL"``. Mismatches are listed."""
+    import json
+    import sys
+    from pathlib import Path
+
+    out = out or sys.stdout
+    base = Path(logs_dir)
+    truth = json.loads((base / "truth.json").read_text(encoding="utf-8"))
+    counts = {k: [0, 0] for k in _TRUTH_FIELDS}
+    misses: list[str] = []
+    for name, t in sorted(truth.items()):
+        path = base / name
+        if not path.exists():
+            continue
+        report = parse_log(path.read_bytes().decode("utf-8", errors="replace"))
+        for fname, getter in _TRUTH_FIELDS.items():
+            if t.get(fname) is None:
+                continue
+            counts[fname][1] += 1
+            got = getter(report)
+            if truth_matches(t[fname], got):
+                counts[fname][0] += 1
+            else:
+                misses.append(f"{name}: {fname}: truth {t[fname]!r}, parsed {got!r}")
+    total_ok = sum(c[0] for c in counts.values())
+    total_n = sum(c[1] for c in counts.values())
+    print(f"{'field':<20} {'correct':>7} / {'truth':<5}", file=out)
+    for fname, (ok, n) in counts.items():
+        pct = f"{100 * ok / n:6.1f}%" if n else "    -  "
+        print(f"{fname:<20} {ok:>7} / {n:<5} {pct}", file=out)
+    print(f"{'ALL':<20} {total_ok:>7} / {total_n:<5} {100 * total_ok / max(total_n, 1):6.1f}%", file=out)
+    for miss in misses:
+        print(f"  mismatch {miss}", file=out)
+    result = {k: (v[0], v[1]) for k, v in counts.items()}
+    result["ALL"] = (total_ok, total_n)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tuner.logparse [--json] FILE...`` or ``python -m tuner.logparse --accuracy DIR``."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m tuner.logparse", description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*", help="log files ('-' for stdin)")
+    ap.add_argument("--json", action="store_true", help="print LoadReport.to_dict() as JSON")
+    ap.add_argument("--accuracy", metavar="DIR", help="per-field accuracy over DIR/truth.json")
+    args = ap.parse_args(argv)
+    if args.accuracy:
+        accuracy_report(args.accuracy)
+        return 0
+    for name in args.files or ["-"]:
+        data = sys.stdin.buffer.read() if name == "-" else open(name, "rb").read()
+        report = parse_log(data.decode("utf-8", errors="replace"))
+        if args.json:
+            print(json.dumps(report.to_dict(), indent=2))
+        else:
+            if len(args.files) > 1:
+                print(f"== {name}")
+            print(format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
