@@ -40,15 +40,6 @@ MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def tuner_home(tmp_path, monkeypatch):
-    """Never the real user folder (the lead's conftest does the same for every test)."""
-    home = tmp_path / "home"
-    monkeypatch.setenv("OFFLOAD_TUNER_HOME", str(home))
-    monkeypatch.delenv("OFFLOAD_TUNER_PROFILE_PATH", raising=False)
-    return home
-
-
 # -- helpers shared by the profile test files --------------------------------------------------
 
 

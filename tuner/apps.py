@@ -308,7 +308,8 @@ class _Plan:
                 endpoint = rpc["endpoint"]
                 info = next((d for d in machine.rpc_devices if d.get("endpoint") == endpoint), None)
                 if info is None or info.get("memory_free") is None:
-                    self.unknown.append(f"{name} (the RPC server {endpoint} was not queried)")
+                    problem = info.get("error", "no memory reported") if info else "not queried"
+                    self.unknown.append(f"{name} (the RPC server {endpoint}: {problem})")
                     pool = None
                 else:
                     pool = by_key.setdefault(f"rpc:{endpoint}", _Pool(f"{name} ({info.get('name') or 'RPC'})", int(info["memory_free"])))
@@ -359,7 +360,6 @@ class _Plan:
         short = [p for p in self.pools if not self._fits(p, p.need)]
         if not short:
             return []
-        why = self._why(short)
         changes = []
 
         def need_at(pool: _Pool, ctx: int, moved_layers: float = 0.0, moved_output: bool = False) -> float:
@@ -368,39 +368,39 @@ class _Plan:
 
         # Lever 1: the context, down to min_ctx, in llama.cpp's 256-token steps.
         min_ctx = min(self.profile.min_ctx, ctx0)
-        best_ctx = None
+        why = self._why({id(p): p.need for p in short})
         for ctx in self._contexts(ctx0, min_ctx):
             if all(self._fits(p, need_at(p, ctx)) for p in self.pools):
-                best_ctx = ctx
-                break
-        if best_ctx is not None:
-            changes.append(self._ctx_change(ctx0, best_ctx, why))
-            self.changed_settings["n_ctx"] = best_ctx
-            return changes
+                self.changed_settings["n_ctx"] = ctx
+                return [self._ctx_change(ctx0, ctx, why)]
         ctx = min_ctx if any(kv_layers[id(p)] for p in short) else ctx0
         if ctx != ctx0:
             changes.append(self._ctx_change(ctx0, ctx, why))
             self.changed_settings["n_ctx"] = ctx
 
         # Lever 2: fewer GPU layers, one at a time; the output layer goes first.
-        n_layer = self.sizing.n_layer
+        n_layer, total = self.sizing.n_layer, self.profile.layers_total
         layers0 = self._offloaded_layers()
+        still_short = {id(p): need_at(p, ctx) for p in self.pools if not self._fits(p, need_at(p, ctx))}
+        at_min = f"even at the minimum context ({ctx} tokens), " if ctx != ctx0 else ""
         for layers in range(layers0 - 1, -1, -1):
             moved_output = layers0 > n_layer and layers <= n_layer
             moved_layers = float(min(layers0, n_layer) - min(layers, n_layer))
             if all(self._fits(p, need_at(p, ctx, moved_layers, moved_output)) for p in self.pools):
                 self.changed_settings["n_gpu_layers"] = layers
                 self.layers_reduced = True
-                was = f"{self.settings.n_gpu_layers} (all)" if self.settings.n_gpu_layers < 0 else str(self.settings.n_gpu_layers)
+                was = f"all {total}" if layers0 >= total else str(layers0)
                 changes.append(
-                    f"GPU layers reduced from {was} to {layers} of {self.profile.layers_total}: a partial offload the "
-                    f"profile did not choose, slower than the {self.profile.measured.tg.median:g} t/s generation it "
-                    f"measured ({'the context is at its minimum already; ' if ctx != ctx0 else ''}{why})"
+                    f"GPU layers reduced from {was} to {layers} of {total}: a partial offload the profile did not "
+                    f"choose, so generation will be slower than the {self.profile.measured.tg.median:g} t/s it "
+                    f"measured. Because {at_min}{self._why(still_short)}"
                 )
                 return changes
+        final = {id(p): need_at(p, ctx, float(min(layers0, n_layer)), layers0 > n_layer) for p in self.pools}
         raise ProfileMismatchError(
-            f"profile {self.profile.name} does not fit this machine now, even with the context at {ctx} and no layer "
-            f"on the GPU: {why}. Free the memory, or tune again on this machine as it is"
+            f"profile {self.profile.name} does not fit this machine now, even with a context of {ctx} tokens and no "
+            f"layer on the GPU: {self._why({k: v for k, v in final.items() if not self._fits(self._pool(k), v)})}. "
+            "Free the memory, or tune again on this machine as it is"
         )
 
     # -- arithmetic
@@ -467,11 +467,16 @@ class _Plan:
 
     # -- words
 
-    def _why(self, short: list[_Pool]) -> str:
+    def _pool(self, key: int) -> _Pool:
+        return next(p for p in self.pools if id(p) == key)
+
+    def _why(self, needs: dict[int, float]) -> str:
+        """``{id(pool): bytes needed}`` of the pools that do not fit, in words, with who holds the GPU."""
         reasons = []
-        for pool in short:
+        for key, need in needs.items():
+            pool = self._pool(key)
             text = (
-                f"{pool.label} has {_size(pool.free)} free now and the profile needs {_size(pool.need)} there "
+                f"{pool.label} has {_size(pool.free)} free now and would need {_size(need)} "
                 f"+ {_size(self.margin)} margin"
             )
             if pool.gpu is not None:
@@ -481,7 +486,7 @@ class _Plan:
 
     def _ctx_change(self, ctx0: int, ctx: int, why: str) -> str:
         recorded = f"{ctx0}" if self.settings.n_ctx else f"{ctx0} (the model's training context)"
-        return f"context reduced from {recorded} to {ctx} tokens (the profile's minimum is {self.profile.min_ctx}): {why}"
+        return f"context reduced from {recorded} to {ctx} tokens (not below the profile's min_ctx, {self.profile.min_ctx}) because {why}"
 
 
 def _holders(gpu: "GPU") -> str:
@@ -490,7 +495,7 @@ def _holders(gpu: "GPU") -> str:
     held = ", ".join(
         f"pid {p.pid} {p.name} ({_size(p.used_memory) if p.used_memory is not None else 'size not reported'})" for p in gpu.processes
     )
-    return f"held on GPU {gpu.index} by: {held}"
+    return f"GPU {gpu.index} memory is held by {held}"
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ def compute_buffer(
     flash_attn: bool,
     has_output: bool = True,
     has_layers: bool = True,
+    host: bool = True,
 ) -> int:
     """llama.cpp's compute buffer for one backend that runs repeating layers and/or the output.
 
@@ -156,12 +157,13 @@ def compute_buffer(
         stages.append(scores + ub * (n_q + n_kv_embd + 4 * model.n_embd) * f32)
         n_ff = model.n_ff or 4 * model.n_embd
         if model.is_moe:
-            stages.append(ub * (4 * model.expert_used_count * n_ff + 4 * model.n_embd + model.expert_count) * f32)
+            stages.append(ub * (3 * model.expert_used_count * n_ff + 2 * model.n_embd + model.expert_count) * f32)
         else:
             stages.append(ub * (3 * n_ff + 2 * model.n_embd) * f32)
     if has_output:
-        stages.append(ub * (model.n_vocab + 5 * model.n_embd) * f32)
-    return mask + max(stages)
+        # the host also keeps the input embeddings and norms live next to the logits
+        stages.append(ub * (model.n_vocab + (5 if host else 1) * model.n_embd) * f32)
+    return (mask if has_layers else 0) + max(stages)
 
 
 def estimate(
@@ -229,22 +231,32 @@ def estimate(
         device = placement[il] if offload_kqv else CPU
         kv[device] += per_token * (swa_cells if il in swa else cells)
 
-    # Compute buffers: each backend that runs layers reserves its own; the host always has one
-    # for the inputs (embeddings get_rows, masks) at least.
+    # Compute buffers. Each backend that runs layers reserves its own graph peak. A host that
+    # runs layers also holds the logits (they land on the host), so it gets the output stage.
+    # A host that runs no layer keeps the graph inputs: the KQ mask and a few embedding rows.
+    # With several devices and everything offloaded, llama.cpp pipelines micro-batches
+    # (pipeline_parallel, GGML_SCHED_MAX_COPIES = 4 copies of the inputs).
+    pipeline = (len([d for d in devices if layers[d] or placement[n_layer] == d]) > 1 and n_gpu_layers != 0
+                and placement.count(CPU) == 0 and offload_kqv and not patterns)
+    copies = 4 if pipeline else 1
+    mask = cells * n_ubatch * (2 if flash_attn else 4)
+    row = n_ubatch * model.n_embd * 4
+    host_runs_layers = layers[CPU] > 0 or placement[n_layer] == CPU
     compute: dict[str, int] = {}
     for device in [CPU, *devices]:
         runs_layers = layers[device] > 0
         runs_output = placement[n_layer] == device
         if device == CPU:
-            if runs_layers or runs_output:
+            if host_runs_layers:
                 compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
-                                                 has_output=runs_output, has_layers=runs_layers)
+                                                 has_output=True, has_layers=runs_layers)
             else:
-                # fully offloaded: the host keeps the input embeddings and the masks
-                compute[device] = n_ubatch * model.n_embd * 4 + cells * n_ubatch * 4
+                compute[device] = copies * mask + ((5 if flash_attn else 9) if pipeline else (2 if flash_attn else 3)) * row
         elif runs_layers or runs_output:
             compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
-                                             has_output=runs_output, has_layers=runs_layers)
+                                             has_output=runs_output, has_layers=runs_layers, host=False)
+            if pipeline:
+                compute[device] += (copies - 1) * mask + (4 if flash_attn else 7) * row
         else:
             compute[device] = 0
 

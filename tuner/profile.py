@@ -863,6 +863,8 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         ),
         ctx,
     )  # fmt: skip
+    tool_version = _str(top, "tool_version", "")
+    created_at = _created_at(top)
 
     m = _obj(
         _get(top, "machine", ""),
@@ -970,8 +972,8 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
 
     return Profile(
         schema_version=top["schema_version"],
-        tool_version=_str(top, "tool_version", ""),
-        created_at=_created_at(top),
+        tool_version=tool_version,
+        created_at=created_at,
         machine=machine,
         llama_build=llama_build,
         model=model,

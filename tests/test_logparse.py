@@ -1,0 +1,653 @@
+"""Tests for tuner.logparse: the 25 real logs against tests/logs/truth.json, plus one targeted test
+per kind of damage a pasted log carries. Synthetic lines are written from llama.cpp's format
+strings; expected values are worked out by hand from those lines, never copied from the parser.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tuner.logparse import LoadReport, accuracy_report, format_report, parse_log, truth_matches
+
+MiB = 1048576
+LOGS = Path(__file__).parent / "logs"
+TRUTH: dict = json.loads((LOGS / "truth.json").read_text(encoding="utf-8"))
+
+
+def _read(name: str) -> str:
+    return (LOGS / name).read_bytes().decode("utf-8", errors="replace")
+
+
+def _mib(d: dict[str, int]) -> dict[str, float]:
+    return {k: v / MiB for k, v in d.items()}
+
+
+# truth field -> the same thing read from a LoadReport (sizes in MiB, as truth.json has them).
+# Note: truth "devices" is accelerator WEIGHTS (compare with device_weights), not free memory.
+GETTERS = {
+    "layers_offloaded": lambda r: r.layers_offloaded,
+    "layers_total": lambda r: r.layers_total,
+    "oom": lambda r: r.oom,
+    "model_buffers": lambda r: _mib(r.model_buffers),
+    "devices": lambda r: _mib(r.device_weights),
+    "kv_mib": lambda r: None if r.kv_size is None else r.kv_size / MiB,
+    "kv_by_device": lambda r: _mib(r.kv_buffers),
+    "compute_by_device": lambda r: _mib(r.compute_buffers),
+    "n_ctx": lambda r: r.n_ctx,
+    "prompt_tps": lambda r: r.prompt_tps,
+    "eval_tps": lambda r: r.eval_tps,
+}
+
+# Truth fields the parser deliberately disagrees with: (file, field) -> (what the parser must give
+# instead, why). The test asserts the parser's value, so a deviation still fails if it changes.
+DEVIATIONS: dict[tuple[str, str], tuple[object, str]] = {
+    ("34_2023-metal-m1-llamafile-vram-used-zero-add-buffer.log", "model_buffers"): (
+        {"VRAM used": 0.0, "Metal": 4096.0},
+        "truth keys the 2023 Metal weights 'Metal data buffer (partial list)', an annotator's "
+        "description, not a label llama.cpp printed (it printed ggml_metal_add_buffer: allocated "
+        "'data' buffer). The parser keys 2023 Metal 'data' buffers as 'Metal' (the device name the "
+        "2024+ logs print for the same buffer); the size, 4096.00, is the same.",
+    ),
+}
+
+CASES = [(name, fld) for name, t in sorted(TRUTH.items()) for fld in GETTERS if t.get(fld) is not None]
+
+
+def test_every_truth_file_is_here() -> None:
+    assert len(TRUTH) == 25
+    for name in TRUTH:
+        assert (LOGS / name).is_file(), name
+
+
+@pytest.mark.parametrize("name,fld", CASES, ids=[f"{n[:2]}-{f}" for n, f in CASES])
+def test_truth(name: str, fld: str) -> None:
+    report = parse_log(_read(name))
+    got = GETTERS[fld](report)
+    expected = TRUTH[name][fld]
+    if (name, fld) in DEVIATIONS:
+        mine, why = DEVIATIONS[(name, fld)]
+        assert not truth_matches(expected, mine), "deviation no longer needed: " + why
+        assert truth_matches(mine, got), f"{name} {fld}: parsed {got!r}, expected (deviation) {mine!r}"
+        return
+    assert truth_matches(expected, got), f"{name} {fld}: parsed {got!r}, truth {expected!r}"
+
+
+def test_truth_matches_compares_within_a_hundredth() -> None:
+    assert truth_matches(1.0, 1.009)
+    assert not truth_matches(1.0, 1.02)
+    assert truth_matches({"A": 1.0}, {"A": 1.0})
+    assert not truth_matches({"A": 1.0}, {"A": 1.0, "B": 2.0})
+    assert truth_matches({"CPU_Mapped": [1.0, 2.0]}, {"CPU_Mapped": 3.0})  # split GGUF: summed
+    assert not truth_matches(False, None)
+    assert not truth_matches(0, None)
+
+
+def test_accuracy_report_prints_per_field_figures() -> None:
+    buf = io.StringIO()
+    res = accuracy_report(LOGS, out=buf)
+    text = buf.getvalue()
+    assert "layers_offloaded" in text and "ALL" in text
+    ok, n = res["ALL"]
+    assert n == len(CASES)
+    # everything but the documented deviations agrees with truth
+    assert ok == n - len(DEVIATIONS)
+
+
+# ---------------------------------------------------------------------------------------------
+# A clean modern load, the basis for the damage tests (values are what these lines print)
+# ---------------------------------------------------------------------------------------------
+
+MODERN = """\
+build: 5622 (97340b4c) with cc (Ubuntu 13.3.0) 13.3.0 for x86_64-linux-gnu
+llama_model_load_from_file_impl: using device CUDA0 (NVIDIA GeForce RTX 4090) - 23000 MiB free
+llama_model_loader: loaded meta data with 35 key-value pairs and 579 tensors from /m/x.gguf (version GGUF V3 (latest))
+print_info: n_layer          = 32
+load_tensors: loading model tensors, this can take a while... (mmap = true)
+load_tensors: offloading 20 repeating layers to GPU
+load_tensors: offloaded 20/33 layers to GPU
+load_tensors:   CPU_Mapped model buffer size =  1500.50 MiB
+load_tensors:        CUDA0 model buffer size =  2500.25 MiB
+..........................................................................................
+llama_context: constructing llama_context
+llama_context: n_seq_max     = 1
+llama_context: n_ctx         = 8192
+llama_context:  CUDA_Host  output buffer size =     0.49 MiB
+llama_kv_cache:      CUDA0 KV buffer size =   640.00 MiB
+llama_kv_cache:        CPU KV buffer size =   384.00 MiB
+llama_kv_cache: size = 1024.00 MiB (  8192 cells,  32 layers,  1/1 seqs), K (q8_0):  512.00 MiB, V (f16):  512.00 MiB
+llama_context:      CUDA0 compute buffer size =   300.00 MiB
+llama_context:  CUDA_Host compute buffer size =    24.01 MiB
+llama_perf_sampler_print:    sampling time =      22.49 ms /   204 runs   (    0.11 ms per token,  9069.49 tokens per second)
+llama_perf_context_print: prompt eval time =     149.75 ms /    14 tokens (   10.70 ms per token,    93.49 tokens per second)
+llama_perf_context_print:        eval time =    4173.56 ms /   189 runs   (   22.08 ms per token,    45.29 tokens per second)
+"""
+
+
+def _check_modern(r: LoadReport) -> None:
+    assert (r.layers_offloaded, r.layers_total) == (20, 33)
+    assert r.partial_offload is True
+    assert r.model_buffers == {"CPU_Mapped": round(1500.50 * MiB), "CUDA0": round(2500.25 * MiB)}
+    assert r.device_weights == {"CUDA0": round(2500.25 * MiB)}
+    assert r.kv_buffers == {"CUDA0": 640 * MiB, "CPU": 384 * MiB}
+    assert r.kv_size == 1024 * MiB
+    assert (r.type_k, r.type_v) == ("q8_0", "f16")
+    assert r.compute_buffers == {"CUDA0": 300 * MiB, "CUDA_Host": round(24.01 * MiB)}
+    assert r.n_ctx == 8192
+    assert r.devices == {"CUDA0": 23000 * MiB}
+    assert r.prompt_tps == pytest.approx(93.49)
+    assert r.eval_tps == pytest.approx(45.29)
+    assert r.build == "5622 (97340b4c)"
+    assert r.oom is False and r.errors == ()
+
+
+def test_modern_clean() -> None:
+    _check_modern(parse_log(MODERN))
+
+
+def _prefixed(prefix_for) -> str:
+    return "\n".join(prefix_for(i) + line for i, line in enumerate(MODERN.splitlines())) + "\n"
+
+
+@pytest.mark.parametrize("prefix_for", [
+    lambda i: f"0.{i:02d}.015.212 I ",                                     # llama.cpp --log-timestamps
+    lambda i: f"Jun 01 12:00:{i:02d} gpubox ollama[1234]: ",               # journald
+    lambda i: "ollama  | ",                                                # docker compose
+    lambda i: "ollama-1  | 2024-06-01T12:00:00.123456789Z ",               # compose + docker --timestamps
+    lambda i: f"2025-01-30T22:09:{i:02d}.123+01:00 ",                      # ISO with zone
+    lambda i: f"[2023-11-11 00:02:{i:02d}.402] ",                          # bracketed ISO
+    lambda i: f"2026-01-30 22:09:{i:02d} [DEBUG] ",                        # LM Studio
+    lambda i: "\x1b[34m0.00.015.212\x1b[0m \x1b[32mI \x1b[0m",            # coloured llama.cpp prefix
+], ids=["llama-ts", "journald", "docker", "docker-ts", "iso-zone", "iso-bracket", "lmstudio", "ansi"])
+def test_prefixes_are_stripped(prefix_for) -> None:
+    _check_modern(parse_log(_prefixed(prefix_for)))
+
+
+def test_lm_studio_header_lines_and_leading_space() -> None:
+    # LM Studio prints "DATE [DEBUG]" on its own line, then the message indented by one space
+    text = "".join(f"2026-01-30 22:09:40 [DEBUG]\n {line}\n" for line in MODERN.splitlines())
+    _check_modern(parse_log(text))
+
+
+def test_crlf_and_bare_cr() -> None:
+    _check_modern(parse_log(MODERN.replace("\n", "\r\n")))
+    _check_modern(parse_log(MODERN.replace("\n", "\r")))
+
+
+def test_collapsed_whitespace() -> None:
+    import re
+    _check_modern(parse_log(re.sub(r"[ \t]+", " ", MODERN)))
+
+
+def test_decimal_commas() -> None:
+    text = (MODERN.replace("1500.50 MiB", "1500,50 MiB").replace("2500.25", "2500,25")
+            .replace("93.49 tokens", "93,49 tokens").replace("45.29 tokens", "45,29 tokens")
+            .replace("1024.00 MiB (", "1024,00 MiB (").replace("24.01 MiB", "24,01 MiB"))
+    _check_modern(parse_log(text))
+    r = parse_log("load_tensors:        CUDA0 model buffer size = 1024,00 MiB\n")
+    assert r.model_buffers == {"CUDA0": 1024 * MiB}
+
+
+def test_glued_progress_dots() -> None:
+    # 2026: the progress dots end without a newline and the next message follows directly
+    text = MODERN.replace("..........................................................................................\n"
+                          "llama_context: constructing llama_context",
+                          "....................llama_context: constructing llama_context")
+    assert "....llama_context" in text
+    _check_modern(parse_log(text))
+    r = parse_log("load_tensors: offloaded 66/66 layers to GPU\n"
+                  "....srv    load_model: initializing slots, n_slots = 1\n"
+                  ".....llama_context: n_ctx         = 131072\n")
+    assert r.n_ctx == 131072 and r.layers_offloaded == 66
+    # the glued message keeps its own identity: anchored regexes match it, errors store it clean
+    r = parse_log("load_tensors: offloaded 42/42 layers to GPU\n"
+                  "....load_tensors:        CUDA0 model buffer size =   555.21 MiB\n"
+                  ".....llama_init_from_model: failed to initialize the context: boom\n")
+    assert r.model_buffers == {"CUDA0": round(555.21 * MiB)}
+    assert r.errors == ("llama_init_from_model: failed to initialize the context: boom",)
+
+
+def test_glued_after_closing_paren_and_after_a_word() -> None:
+    # 2024 Metal: two messages on one line, glued after ")"
+    r = parse_log("ggml_backend_metal_log_allocated_size: allocated buffer, size =  2048.00 MiB, ( 2056.30 /  1536.00)"
+                  "llm_load_tensors: offloaded 33/33 layers to GPU\n"
+                  "llm_load_tensors:      Metal buffer size =  4988.00 MiB"
+                  "llama_kv_cache_init:      Metal KV buffer size =   256.00 MiB\n")
+    assert (r.layers_offloaded, r.layers_total) == (33, 33)
+    assert r.model_buffers == {"Metal": 4988 * MiB}
+    assert r.kv_buffers == {"Metal": 256 * MiB}
+
+
+def test_mojibake_does_not_break_parsing() -> None:
+    moji = "print_info: LF token         = 198 '\u00c4\u0160'\nprint_info: BOS token = 1 '\u00e2\u20ac\u201d\ufffd'\n"
+    _check_modern(parse_log(moji + MODERN))
+    # the whole log read with the wrong codec (UTF-8 bytes decoded as cp1252/latin-1)
+    _check_modern(parse_log((moji + MODERN).encode("utf-8").decode("latin-1")))
+
+
+def test_garbage_gives_an_empty_report() -> None:
+    empty = LoadReport()
+    assert parse_log("") == empty
+    assert parse_log(None) == empty  # type: ignore[arg-type]
+    assert parse_log(12345) == empty  # type: ignore[arg-type]
+    rnd = random.Random(7)
+    noise = "".join(chr(rnd.randrange(0, 0x3000)) for _ in range(20000))
+    r = parse_log(noise)
+    assert isinstance(r, LoadReport)
+    assert r.layers_offloaded is None and r.model_buffers == {}
+    assert parse_log(b"\xff\xfe\x00garbage\x80") == empty  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Load passes: a fit dry run repeats the load; the last pass wins
+# ---------------------------------------------------------------------------------------------
+
+FIT_PASS = """\
+llama_params_fit_impl: projected to use 61807 MiB of device memory vs. 24077 MiB of free device memory
+llama_model_loader: loaded meta data with 35 key-value pairs and 579 tensors from /m/x.gguf (version GGUF V3 (latest))
+load_tensors: offloaded 49/49 layers to GPU
+load_tensors:   CPU_Mapped model buffer size =   100.00 MiB
+load_tensors:        CUDA0 model buffer size = 60000.00 MiB
+llama_context: constructing llama_context
+llama_context: n_ctx         = 40960
+llama_kv_cache:      CUDA0 KV buffer size =  3840.00 MiB
+llama_kv_cache: size = 3840.00 MiB ( 40960 cells,  48 layers,  1/1 seqs), K (f16): 1920.00 MiB, V (f16): 1920.00 MiB
+llama_context:      CUDA0 compute buffer size =  2000.00 MiB
+llama_params_fit_impl: context size reduced from 40960 to 4096 -> need 3456 MiB less memory in total
+llama_params_fit: successfully fit params to free device memory
+"""
+
+
+def test_fit_dry_run_then_real_load_last_pass_wins() -> None:
+    r = parse_log(FIT_PASS + MODERN)
+    _check_modern(r)  # nothing from the dry run leaks in, and nothing is summed across passes
+
+
+def test_repeated_load_without_loader_line_still_resets() -> None:
+    # a second offload summary after a context exists starts a new pass even with no loader line
+    one = "\n".join(line for line in FIT_PASS.splitlines() if "loaded meta data" not in line) + "\n"
+    two = "\n".join(line for line in MODERN.splitlines() if "loaded meta data" not in line) + "\n"
+    _check_modern(parse_log(one + two))
+
+
+def test_2023_order_buffers_before_offload_line_repeated_pass() -> None:
+    # Dec 2023 prints the buffers BEFORE the offload summary; a second load (no loader line in
+    # the excerpt) after a context must replace, not add to, the first one
+    one = ("llm_load_tensors: system memory used  = 5506.41 MiB\n"
+           "llm_load_tensors: VRAM used           = 1701.95 MiB\n"
+           "llm_load_tensors: offloaded 10/41 layers to GPU\n"
+           "llama_new_context_with_model: n_ctx      = 2048\n"
+           "llama_new_context_with_model: KV self size  = 1600.00 MiB, K (f16):  800.00 MiB, V (f16):  800.00 MiB\n"
+           "llama_new_context_with_model: compute buffer total size = 197.19 MiB\n")
+    two = ("llm_load_tensors: system memory used  =  195.40 MiB\n"
+           "llm_load_tensors: VRAM used           = 6340.49 MiB\n"
+           "llm_load_tensors: offloaded 41/41 layers to GPU\n")
+    r = parse_log(one + two)
+    assert r.model_buffers == {"system memory used": round(195.40 * MiB), "VRAM used": round(6340.49 * MiB)}
+    assert (r.layers_offloaded, r.layers_total) == (41, 41)
+    assert r.kv_size is None and r.compute_buffers == {}  # the second pass built no context yet
+
+
+def test_repeated_assignment_blocks_last_wins() -> None:
+    # a verbose fit dry run lists the layer assignment twice: count the last listing only
+    first = "".join(f"load_tensors: layer {i:3d} assigned to device CUDA0, is_swa = 0\n" for i in range(5))
+    second = "".join(f"load_tensors: layer {i:3d} assigned to device {'CPU' if i < 3 else 'CUDA0'}, is_swa = 0\n"
+                     for i in range(5))
+    r = parse_log(first + "load_tensors: CUDA0 model buffer size = 1.00 MiB\n"
+                  + second + "load_tensors: CUDA0 model buffer size = 2.00 MiB\n")
+    assert (r.layers_offloaded, r.layers_total) == (2, 5)
+    assert r.model_buffers == {"CUDA0": 2 * MiB}
+
+
+def test_split_gguf_buffers_of_one_pass_are_summed() -> None:
+    text = ("load_tensors: offloaded 0/95 layers to GPU\n"
+            + "load_tensors:   CPU_Mapped model buffer size = 47091.25 MiB\n"
+            + "load_tensors:   CPU_Mapped model buffer size = 42166.10 MiB\n")
+    assert parse_log(text).model_buffers == {"CPU_Mapped": round(47091.25 * MiB) + round(42166.10 * MiB)}
+
+
+def test_swa_model_two_kv_caches_add_up() -> None:
+    text = """\
+llama_context: n_ctx         = 8192
+llama_kv_cache_iswa: creating non-SWA KV cache, size = 8192 cells
+llama_kv_cache:      CUDA0 KV buffer size =   256.00 MiB
+llama_kv_cache: size =  256.00 MiB (  8192 cells,   8 layers,  1/1 seqs), K (f16):  128.00 MiB, V (f16):  128.00 MiB
+llama_kv_cache_iswa: creating     SWA KV cache, size = 1536 cells
+llama_kv_cache:      CUDA0 KV buffer size =   120.00 MiB
+llama_kv_cache: size =  120.00 MiB (  1536 cells,  40 layers,  1/1 seqs), K (f16):   60.00 MiB, V (f16):   60.00 MiB
+"""
+    r = parse_log(text)
+    assert r.kv_buffers == {"CUDA0": 376 * MiB}
+    assert r.kv_size == 376 * MiB
+    assert r.n_ctx == 8192
+
+
+# ---------------------------------------------------------------------------------------------
+# Speed
+# ---------------------------------------------------------------------------------------------
+
+def test_sampler_tps_is_never_eval_tps() -> None:
+    r = parse_log("llama_perf_sampler_print:    sampling time =      22.49 ms /   204 runs   "
+                  "(    0.11 ms per token,  9069.49 tokens per second)\n"
+                  "llama_print_timings:      sample time =      14.92 ms /    40 runs   "
+                  "(    0.37 ms per token,  2681.14 tokens per second)\n")
+    assert r.eval_tps is None and r.prompt_tps is None
+
+
+def test_print_timings_2023() -> None:
+    r = parse_log("llama_print_timings:        load time =    1234.93 ms\n"
+                  "llama_print_timings:      sample time =      14.92 ms /    40 runs   (    0.37 ms per token,  2681.14 tokens per second)\n"
+                  "llama_print_timings: prompt eval time =    1234.81 ms /    15 tokens (   82.32 ms per token,    12.15 tokens per second)\n"
+                  "llama_print_timings:        eval time =    3000.00 ms /    39 runs   (   76.92 ms per token,    13.00 tokens per second)\n")
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(12.15), pytest.approx(13.00))
+
+
+def test_server_timings_next_line_and_same_line() -> None:
+    nxt = ("slot print_timing: id  0 | task 0 |\n"
+           "prompt eval time =     713.89 ms /    20 tokens (   35.69 ms per token,    28.02 tokens per second)\n"
+           "       eval time =    3163.91 ms /    48 tokens (   65.91 ms per token,    15.17 tokens per second)\n"
+           "      total time =    3877.80 ms /    68 tokens\n")
+    r = parse_log(nxt)
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(28.02), pytest.approx(15.17))
+    same = ("318.00.524.330 I slot print_timing: id  0 | task 409 | n_decoded =    701, tg =  32.83 t/s, tg_3s =  32.64 t/s\n"
+            "318.00.524.338 I slot print_timing: id  0 | task 409 | prompt eval time =    6265.20 ms /  4113 tokens (    1.52 ms per token,   656.48 tokens per second)\n"
+            "318.00.524.341 I slot print_timing: id  0 | task 409 |        eval time =   24270.43 ms /   784 tokens (   30.96 ms per token,    32.30 tokens per second)\n")
+    r = parse_log(same)
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(656.48), pytest.approx(32.30))
+
+
+def test_progress_tg_is_not_a_final_rate() -> None:
+    r = parse_log("slot print_timing: id  0 | task 409 | n_decoded =    501, tg =  32.79 t/s, tg_3s =  33.19 t/s\n"
+                  "slot update_slots: id  0 | task 1 | prompt processing, n_tokens =   512, progress = 0.50, t =   1.00 s / 512.00 tokens per second\n")
+    assert r.eval_tps is None and r.prompt_tps is None
+
+
+def test_server_json_timings() -> None:
+    compact = ('{"choices":[{"text":"hi"}],"timings":{"prompt_n":14,"prompt_ms":149.75,"prompt_per_token_ms":10.7,'
+               '"prompt_per_second":93.49,"predicted_n":189,"predicted_ms":4173.56,"predicted_per_token_ms":22.08,'
+               '"predicted_per_second":45.29}}\n')
+    r = parse_log(compact)
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(93.49), pytest.approx(45.29))
+    pretty = json.dumps({"timings": {"prompt_per_second": 1.5e2, "predicted_per_second": 33.25}}, indent=2)
+    r = parse_log(pretty)
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(150.0), pytest.approx(33.25))
+
+
+def test_2024_server_json_log_lines() -> None:
+    text = ('{"tid":"1","timestamp":1,"level":"INFO","function":"print_timings","line":1,'
+            '"msg":"prompt eval time     =     100.00 ms /    10 tokens (   10.00 ms per token,   100.00 tokens per second)","id_slot":0}\n'
+            '{"tid":"1","timestamp":1,"level":"INFO","function":"print_timings","line":2,'
+            '"msg":"generation eval time =    1000.00 ms /    25 runs   (   40.00 ms per token,    25.00 tokens per second)","id_slot":0}\n'
+            '{"build":2750,"commit":"0d56246f","function":"main","level":"INFO","line":1,"msg":"build info","tid":"1","timestamp":1}\n'
+            '{"type":"log","time":1,"level":"ERROR","msg":"llama_model_load: error loading model: unable to allocate CUDA0 buffer\\n"}\n')
+    r = parse_log(text)
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(100.0), pytest.approx(25.0))
+    assert r.build == "2750 (0d56246f)"
+    assert r.oom is True
+    assert r.errors == ("llama_model_load: error loading model: unable to allocate CUDA0 buffer",)
+
+
+# ---------------------------------------------------------------------------------------------
+# Out of memory and failure lines
+# ---------------------------------------------------------------------------------------------
+
+def test_rpc_oom_lines() -> None:
+    text = """\
+load_tensors: loading model tensors, this can take a while... (mmap = true)
+alloc_tensor_range: failed to allocate RPC0[127.0.0.1:50052] buffer of size 8589934592
+llama_model_load: error loading model: unable to allocate RPC0[127.0.0.1:50052] buffer
+llama_model_load_from_file_impl: failed to load model
+"""
+    r = parse_log(text)
+    assert r.oom is True
+    assert r.errors == (
+        "alloc_tensor_range: failed to allocate RPC0[127.0.0.1:50052] buffer of size 8589934592",
+        "llama_model_load: error loading model: unable to allocate RPC0[127.0.0.1:50052] buffer",
+        "llama_model_load_from_file_impl: failed to load model",
+    )
+
+
+def test_rpc_weights_are_accelerator_weights() -> None:
+    r = parse_log("load_tensors: offloaded 33/33 layers to GPU\n"
+                  "load_tensors: RPC0[127.0.0.1:50052] model buffer size =  3000.00 MiB\n"
+                  "load_tensors:        CUDA0 model buffer size =  1000.00 MiB\n"
+                  "load_tensors:   CPU_Mapped model buffer size =   281.81 MiB\n")
+    assert r.device_weights == {"RPC0[127.0.0.1:50052]": 3000 * MiB, "CUDA0": 1000 * MiB}
+
+
+@pytest.mark.parametrize("line", [
+    "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 1024.00 MiB on device 0: cudaMalloc failed: out of memory",
+    "CUDA error: out of memory",
+    "CUDA error 2 at /llama.cpp/ggml-cuda.cu:7046: out of memory",
+    "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 1024.00 MiB on device 0: hipMalloc failed: out of memory",
+    "ggml_vulkan: Device memory allocation of size 4294967296 failed.",
+    "vk::Device::allocateMemory: ErrorOutOfDeviceMemory",
+    "ggml_metal_buffer_init: error: failed to allocate buffer, size =  4096.00 MiB",
+    "error: Insufficient Memory (00000008:kIOGPUCommandBufferCallbackErrorOutOfMemory)",
+    "ggml_backend_sycl_buffer_type_alloc_buffer: can't allocate 4294967296 Bytes of memory on device",
+    "alloc_tensor_range: failed to allocate CPU buffer of size 68719476736",
+    "ggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size 378281271296",
+    "llama_model_load: error loading model: unable to allocate CUDA0 buffer",
+    "llama_new_context_with_model: failed to allocate compute buffers",
+    "terminate called after throwing an instance of 'std::bad_alloc'",
+    "llama_model_load: error loading model: mmap failed: Cannot allocate memory",
+    "ggml_new_object: not enough space in the context's memory pool (needed 1234, available 1000)",
+])
+def test_oom_wordings(line: str) -> None:
+    r = parse_log("load_tensors: offloaded 10/33 layers to GPU\n" + line + "\n")
+    assert r.oom is True, line
+    assert line in r.errors
+
+
+@pytest.mark.parametrize("line", [
+    "ggml_cuda_host_malloc: failed to allocate 512.00 MiB of pinned memory: out of memory",
+    "ggml_vulkan: Failed to allocate pinned memory (vk::Device::allocateMemory: ErrorOutOfDeviceMemory)",
+    "warning: failed to mlock 4096-byte buffer (after previously locking 0 bytes): Cannot allocate memory",
+    "load_all_data: failed to allocate host buffer for async uploads for device CUDA0",
+    "The model answered: my old laptop always ran out of memory when compiling.",
+    "ggml_backend_metal_log_allocated_size: warning: current allocated size is greater than the recommended max working set size",
+    "error: Caused GPU Timeout Error (00000002:kIOAccelCommandBufferCallbackErrorTimeout)",
+])
+def test_not_oom(line: str) -> None:
+    assert parse_log(line + "\n").oom is False, line
+
+
+def test_failure_lines_in_order_and_not_metadata() -> None:
+    text = """\
+print_info: EOS token        = 2 'error failed fatal'
+llama_model_loader: - kv  28:  tokenizer.chat_template str = {% if error %}failed{% endif %}
+/src/ggml/src/ggml.c:1234: GGML_ASSERT(ctx->mem_buffer != NULL) failed
+llama_init_from_model: failed to initialize the context: unsupported
+0.00.100.000 E common_init_from_params: failed to create context with model 'x.gguf'
+Segmentation fault (core dumped)
+"""
+    r = parse_log(text)
+    assert r.errors == (
+        "/src/ggml/src/ggml.c:1234: GGML_ASSERT(ctx->mem_buffer != NULL) failed",
+        "llama_init_from_model: failed to initialize the context: unsupported",
+        "common_init_from_params: failed to create context with model 'x.gguf'",
+        "Segmentation fault (core dumped)",
+    )
+    assert r.oom is False
+
+
+def test_docker_prefixed_oom_keeps_message_verbatim() -> None:
+    r = parse_log("ollama  | ggml_backend_cuda_buffer_type_alloc_buffer: allocating 35533.34 MiB on device 0: cudaMalloc failed: out of memory\n"
+                  "ollama  | llama_model_load: error loading model: unable to allocate CUDA0 buffer\n"
+                  "ollama  | \n")
+    assert r.oom
+    assert r.errors[0].startswith("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 35533.34 MiB")
+    assert len(r.errors) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers: counted from assignment lines; offload that did not really happen
+# ---------------------------------------------------------------------------------------------
+
+def _assignments(devs: list[str]) -> str:
+    return "".join(f"load_tensors: layer {i:3d} assigned to device {d}, is_swa = 0\n" for i, d in enumerate(devs))
+
+
+def test_cpu_only_build_counts_assignment_lines() -> None:
+    # a CPU-only build prints no "offloaded" line; every layer (0..n_layer, the last being the
+    # output layer) is assigned to CPU
+    text = ("print_info: n_layer          = 8\n" + _assignments(["CPU"] * 9)
+            + "load_tensors:          CPU model buffer size =   500.00 MiB\n")
+    r = parse_log(text)
+    assert (r.layers_offloaded, r.layers_total) == (0, 9)
+    assert r.partial_offload is True
+
+
+def test_assignment_lines_count_accelerator_layers() -> None:
+    text = _assignments(["CPU"] * 5 + ["CUDA0"] * 3 + ["CUDA1"] * 2) + "load_tensors: offloading output layer to GPU\n"
+    r = parse_log(text)
+    assert (r.layers_offloaded, r.layers_total) == (5, 10)
+
+
+def test_assignment_lines_incomplete_are_not_counted() -> None:
+    # a gap (layer 3 missing): not every layer is listed, so no count
+    devs = ["CPU"] * 6
+    text = "".join(f"load_tensors: layer {i:3d} assigned to device {d}, is_swa = 0\n"
+                   for i, d in enumerate(devs) if i != 3) + "load_tensors: CPU model buffer size = 1.00 MiB\n"
+    assert parse_log(text).layers_offloaded is None
+    # cut off at the end (nothing follows the block, n_layer unknown): could be missing layers
+    assert parse_log(_assignments(["CPU"] * 6)).layers_offloaded is None
+    # n_layer says 8 layers (9 with output) but only 6 are listed
+    assert parse_log("print_info: n_layer = 8\n" + _assignments(["CPU"] * 6)).layers_offloaded is None
+
+
+def test_offload_line_wins_over_assignment_count() -> None:
+    text = _assignments(["CPU"] * 2 + ["CUDA0"] * 2) + "load_tensors: offloaded 2/4 layers to GPU\n"
+    assert parse_log(text).layers_offloaded == 2
+
+
+def test_offload_claimed_but_everything_on_cpu() -> None:
+    # CUDA build, CUDA init failed: still "offloaded 9/9", but only CPU_Mapped weights
+    text = ("ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected\n"
+            "load_tensors: offloading 8 repeating layers to GPU\n"
+            "load_tensors: offloaded 9/9 layers to GPU\n"
+            "load_tensors:   CPU_Mapped model buffer size =   400.00 MiB\n")
+    r = parse_log(text)
+    assert r.layers_offloaded == 9
+    assert r.effective_layers_offloaded == 0
+    assert r.offload_fell_back is True
+    assert r.errors == ("ggml_cuda_init: failed to initialize CUDA: no CUDA-capable device is detected",)
+
+
+def test_real_offload_is_effective() -> None:
+    r = parse_log(MODERN)
+    assert r.effective_layers_offloaded == 20 and r.offload_fell_back is False
+    assert parse_log("load_tensors: offloaded 9/9 layers to GPU\n").effective_layers_offloaded == 9  # no buffers: can't tell
+
+
+# ---------------------------------------------------------------------------------------------
+# Older eras, device names, free memory, build
+# ---------------------------------------------------------------------------------------------
+
+def test_2023_vram_used_and_metal_add_buffer() -> None:
+    cuda = ("llm_load_tensors: mem required  =  86.04 MB\n"
+            "llm_load_tensors: offloaded 35/35 layers to GPU\n"
+            "llm_load_tensors: VRAM used: 4474.93 MB\n"
+            "llama_new_context_with_model: total VRAM used: 6122.95 MB (model: 4474.93 MB, context: 1648.02 MB)\n")
+    r = parse_log(cuda)
+    assert r.model_buffers == {"mem required (host)": round(86.04 * MiB), "VRAM used": round(4474.93 * MiB)}
+    assert r.device_weights == {"VRAM": round(4474.93 * MiB)}
+    dec2023 = ("llm_load_tensors: system memory used  = 5506.41 MiB\n"
+               "llm_load_tensors: VRAM used           = 1701.95 MiB\n"
+               "llm_load_tensors: offloaded 10/41 layers to GPU\n")
+    r = parse_log(dec2023)
+    assert r.model_buffers["VRAM used"] == round(1701.95 * MiB)
+    assert r.layers_offloaded == 10
+    metal = ("llm_load_tensors: VRAM used: 0.00 MB\n"
+             "ggml_metal_add_buffer: allocated 'data            ' buffer, size =  4096.00 MB, offs =            0\n"
+             "ggml_metal_add_buffer: allocated 'data            ' buffer, size =  3533.78 MB, offs = 4150263808, ( 7630.41 / 10922.67)\n"
+             "ggml_metal_add_buffer: allocated 'kv              ' buffer, size =   400.02 MB, ( 8030.43 / 10922.67)\n"
+             "ggml_metal_add_buffer: allocated 'alloc           ' buffer, size =    80.02 MB, ( 8110.45 / 10922.67)\n")
+    r = parse_log(metal)
+    assert r.model_buffers["Metal"] == round(4096 * MiB) + round(3533.78 * MiB)
+    assert r.device_weights == {"Metal": r.model_buffers["Metal"]}  # VRAM 0.00 superseded by Metal
+    assert r.kv_buffers == {"Metal": round(400.02 * MiB)}
+    assert r.compute_buffers == {"Metal": round(80.02 * MiB)}
+
+
+def test_device_name_normalisation() -> None:
+    r = parse_log("load_tensors:  MTL0_Mapped model buffer size = 14803.73 MiB\n"
+                  "load_tensors: Metal_Mapped model buffer size =   372.45 MiB\n"
+                  "load_tensors:   CPU_REPACK model buffer size =   100.00 MiB\n"
+                  "load_tensors:          AMX model buffer size =    50.00 MiB\n"
+                  "load_tensors:    CUDA_Host model buffer size =    10.00 MiB\n"
+                  "load_tensors:      ROCm0 model buffer size =    20.00 MiB\n")
+    assert r.device_weights == {"MTL0": round(14803.73 * MiB), "Metal": round(372.45 * MiB), "ROCm0": 20 * MiB}
+    assert "MTL0_Mapped" in r.model_buffers  # labels stay as printed in model_buffers
+
+
+def test_free_memory_from_device_lines_and_breakdown_table() -> None:
+    text = ("llama_model_load_from_file_impl: using device CUDA0 (NVIDIA GeForce RTX 4090) (0000:01:00.0) - 23000 MiB free\n"
+            "llama_memory_breakdown_print: | memory breakdown [MiB] | total   free     self   model   context   compute    unaccounted |\n"
+            "llama_memory_breakdown_print: |   - CUDA0 (RTX 4090)   | 24077 =  945 + (19187 = 17904 +     384 +     898) +        3945 |\n"
+            "llama_memory_breakdown_print: |   - CUDA1 (RTX 3090)   | 24000 = 1000 + (20000 = 19000 +     500 +     500) +        3000 |\n"
+            "llama_memory_breakdown_print: |   - Host               |                 58271 = 58259 +       0 +      12                |\n")
+    r = parse_log(text)
+    # the pre-load figure wins for CUDA0; the table fills in CUDA1; Host is not a device
+    assert r.devices == {"CUDA0": 23000 * MiB, "CUDA1": 1000 * MiB}
+
+
+@pytest.mark.parametrize("line,build", [
+    ("build: 5622 (abc1234) with cc (GCC) 13.3.0 for x86_64-linux-gnu", "5622 (abc1234)"),
+    ("main: build = 1971 (1182cf4d)", "1971 (1182cf4d)"),
+    ("common_params_print_info: build 7000 (4341dc8bc) with cc for x86_64", "7000 (4341dc8bc)"),
+    ("build: 97340b4c (5622)", "5622 (97340b4c)"),        # llama-bench footer: commit first
+    ("version: b7000 (build 7000, commit 4341dc8bc)", "7000 (4341dc8bc)"),
+    ("llama.cpp build 1234", "1234"),
+])
+def test_build(line: str, build: str) -> None:
+    assert parse_log(line + "\n").build == build
+
+
+def test_n_ctx_fallbacks() -> None:
+    # no "n_ctx =" line: the KV cache size in cells says it
+    assert parse_log("llama_kv_cache: size = 78080.00 MiB ( 16384 cells,  61 layers,  1/1 seqs), "
+                     "K (f16): 46848.00 MiB, V (f16): 31232.00 MiB\n").n_ctx == 16384
+    assert parse_log("llama_context: n_ctx_seq (4096) < n_ctx_train (32768) -- the full capacity\n").n_ctx == 4096
+    assert parse_log("common_init_from_params: setting dry_penalty_last_n to ctx_size = 2048\n").n_ctx == 2048
+    # llama-cli's "generate: n_ctx" must not start a new context or override the context line
+    r = parse_log("llama_context: n_ctx = 8192\nllama_context: CPU compute buffer size = 1.00 MiB\n"
+                  "generate: n_ctx = 4096, n_batch = 2048, n_predict = -1, n_keep = 0\n")
+    assert r.n_ctx == 8192 and r.compute_buffers == {"CPU": MiB}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output helpers
+# ---------------------------------------------------------------------------------------------
+
+def test_to_dict_is_json_ready_and_complete() -> None:
+    r = parse_log(MODERN + "llama_init_from_model: failed to initialize the context: boom\n")
+    d = r.to_dict()
+    json.dumps(d)
+    assert set(d) == {"layers_offloaded", "layers_total", "oom", "model_buffers", "kv_buffers", "compute_buffers",
+                      "kv_size", "type_k", "type_v", "n_ctx", "devices", "prompt_tps", "eval_tps", "build", "errors"}
+    assert d["errors"] == ["llama_init_from_model: failed to initialize the context: boom"]
+    assert LoadReport(**{**d, "errors": tuple(d["errors"])}) == r
+
+
+def test_format_report() -> None:
+    r = parse_log(MODERN + "llama_init_from_model: failed to initialize the context: boom\n")
+    text = format_report(r)
+    assert "20/33" in text and "partial offload" in text
+    assert "CUDA0 2500.25 MiB" in text
+    assert "n_ctx 8192" in text
+    assert "45.29" in text and "93.49" in text
+    assert "failed to initialize the context" in text
+    assert "not in log" in format_report(LoadReport())
+    oom = format_report(parse_log("CUDA error: out of memory\n"))
+    assert "OUT OF MEMORY" in oom
+
+
+def test_partial_offload_property() -> None:
+    assert LoadReport(layers_offloaded=33, layers_total=33).partial_offload is False
+    assert LoadReport(layers_offloaded=10, layers_total=33).partial_offload is True
+    assert LoadReport().partial_offload is None
