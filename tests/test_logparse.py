@@ -463,6 +463,8 @@ llama_model_loader: - kv  28:  tokenizer.chat_template str = {% if error %}faile
 /src/ggml/src/ggml.c:1234: GGML_ASSERT(ctx->mem_buffer != NULL) failed
 llama_init_from_model: failed to initialize the context: unsupported
 0.00.100.000 E common_init_from_params: failed to create context with model 'x.gguf'
+0.00.100.001 E llama_decode: n_tokens == 0
+0.00.100.002 I llama_decode: n_tokens == 0
 Segmentation fault (core dumped)
 """
     r = parse_log(text)
@@ -470,6 +472,7 @@ Segmentation fault (core dumped)
         "/src/ggml/src/ggml.c:1234: GGML_ASSERT(ctx->mem_buffer != NULL) failed",
         "llama_init_from_model: failed to initialize the context: unsupported",
         "common_init_from_params: failed to create context with model 'x.gguf'",
+        "llama_decode: n_tokens == 0",  # only the "E" level says so; the "I" copy is not an error
         "Segmentation fault (core dumped)",
     )
     assert r.oom is False

@@ -306,6 +306,32 @@ def parse_log_cmd(file: Any, as_json: bool) -> None:
     _emit(as_json, report.to_dict(), lambda: format_report(report))
 
 
+@cli.command("rpc-serve")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind. The RPC protocol has no authentication: keep it on loopback or a trusted network.")
+@click.option("--port", type=int, default=50052, show_default=True)
+@click.option("--memory-limit", "memory_limit_mib", type=int, default=None,
+              help="Cap the server's memory (MiB of address space beyond its own code): a small simulated GPU.")
+@click.option("--threads", type=int, default=None, help="CPU threads for the server's compute (default: all).")
+def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: int | None) -> None:
+    """Serve this machine's CPU as a llama.cpp RPC device (a simulated GPU), until Ctrl-C.
+
+    \b
+    Try offload without a GPU:
+      offload-tuner rpc-serve --port 50052 --memory-limit 200 &
+      offload-tuner bench model.gguf --rpc 127.0.0.1:50052 -ngl 99
+    """
+    from .rpc import serve
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"warning: serving on {host}: anyone who can reach this port can use (and write into) this "
+                   "server's memory; llama.cpp's RPC server is meant for trusted networks only", err=True)
+    try:
+        serve(host, port, memory_limit_mib * MiB if memory_limit_mib else None, threads)
+    except KeyboardInterrupt:
+        pass
+
+
 def _mount_optional() -> None:
     """Subcommands that live in their own modules."""
     try:

@@ -221,9 +221,9 @@ def serve(host: str, port: int, memory_limit: int | None, threads: int | None) -
     if memory_limit:
         import resource
 
-        # An address-space cap: what is mapped now (interpreter, libraries), room for the
-        # compute threads' stacks, then the buffers the clients may allocate.
-        cap = _vm_size() + (n_threads + 4) * 16 * MiB + 64 * MiB + int(memory_limit)
+        # An address-space cap: what is mapped now (interpreter, libraries) plus the limit,
+        # which covers the buffers clients allocate and the compute threads' stacks (8 MiB each).
+        cap = _vm_size() + int(memory_limit)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     rpc.ggml_backend_rpc_start_server.restype = None
     rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
