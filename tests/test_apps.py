@@ -6,6 +6,8 @@ Every machine here is injected (``make_machine``); no test reads the real hardwa
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
 import sys
 import types
 import warnings
@@ -435,3 +437,81 @@ def test_the_recorded_model_path_is_never_used(model, folder):
     loaded = load_profile(model, search_path=[folder], machine=here)
     assert loaded.settings.model_path == str(model)
     assert "/etc/passwd" not in str(loaded.llama_kwargs())
+
+
+# -- the examples, end to end -------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def profile_for_this_machine(tmp_path, tuner_home):
+    """A tiny real model and a CPU-only profile for whatever machine runs the test."""
+    from tuner.apps import this_machine
+    from tuner.testing import ModelShape, make_model
+
+    model = make_model(tmp_path / "tiny.gguf", ModelShape(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, n_vocab=320, n_ctx_train=512))
+    document = profile_dict(
+        this_machine(), model_fingerprint(model),
+        n_gpu_layers=0, n_ctx=512, n_batch=64, n_ubatch=64, n_threads=1, n_threads_batch=1, flash_attn="auto",
+    )  # fmt: skip
+    document.update(min_ctx=256, layers_total=3, layers_offloaded=0, runner_up=None)
+    document["model"]["n_layer"] = document["sizing"]["n_layer"] = 2
+    document["memory"] = {"predicted": {"CPU": {"weights": 5 * MiB, "kv": MiB, "compute": 2 * MiB, "total": 8 * MiB}}, "actual": {}}
+    Profile.from_dict(document).write()
+    return model
+
+
+def _run_example(name: str, *args: str, tuner_home: Path) -> "subprocess.CompletedProcess[str]":
+    env = {**os.environ, "OFFLOAD_TUNER_HOME": str(tuner_home), "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "examples" / name), *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_serve_from_profile_starts_the_server_with_the_profile_flags(profile_for_this_machine, tuner_home, tmp_path):
+    model = profile_for_this_machine
+    fake_server = tmp_path / "llama-server"
+    fake_server.write_text('#!/bin/sh\necho "llama-server got: $*"\n')
+    fake_server.chmod(0o755)
+    proc = _run_example("serve_from_profile.py", str(model), "--server-bin", str(fake_server), "--port", "9000", "--", "--parallel", "2", tuner_home=tuner_home)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == (
+        f"llama-server got: -m {model} -ngl 0 -c 512 -b 64 -ub 64 -t 1 -tb 1 -fa auto -ctk f16 -ctv f16 "
+        "--host 127.0.0.1 --port 9000 --parallel 2\n"
+    )
+    missing = _run_example("serve_from_profile.py", str(model), "--server-bin", str(tmp_path / "nope"), tuner_home=tuner_home)
+    assert missing.returncode == 2
+    assert missing.stderr.startswith(f"cannot start llama-server: {tmp_path / 'nope'} is not an executable file.")
+
+
+@pytest.mark.slow
+def test_app_generate_loads_the_profile_in_llama_cpp_and_generates(profile_for_this_machine, tuner_home):
+    proc = _run_example("app_generate.py", str(profile_for_this_machine), "Hello", "--max-tokens", "4", tuner_home=tuner_home)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profile tiny--" in proc.stderr
+
+
+def test_profile_check_command_says_what_an_app_would_load(model, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from tuner.cli_profile import profile_group
+
+    here = make_machine(free=(8 * GiB,), processes=((TRAINER,),))
+    team = tmp_path / "team"
+    monkeypatch.setenv("OFFLOAD_TUNER_PROFILE_PATH", str(team))
+    path = write_profile(team, profile_dict(here, model_fingerprint(model)))
+    result = CliRunner().invoke(profile_group, ["check", str(model)], obj={"machine": here})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == [
+        f"{path.stem}  ({path})",
+        "changed to fit this machine now:",
+        "  - context reduced from 32768 to 19968 tokens (not below the profile's min_ctx, 8192) because CUDA0 "
+        "(NVIDIA GeForce RTX 4090) has 8.00 GiB free now and would need 9.50 GiB + 256 MiB margin; GPU 0 memory "
+        "is held by pid 4242 python train.py (14.00 GiB)",
+        f"llama-server -m {model} -ngl 37 -c 19968 -b 2048 -ub 512 -t 8 -tb 16 -fa on -ctk f16 -ctv f16",
+    ]
+    assert result.stderr.startswith(f"warning: profile {path.stem} changed to fit this machine now:")
+
+    result = CliRunner().invoke(profile_group, ["check", str(model), "--strict"], obj={"machine": here})
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == "Free the memory, or load with strict=False to accept these changes."
+    assert f"Error: profile {path.stem} does not fit this machine as recorded; loading it would need:" in result.stderr

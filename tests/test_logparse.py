@@ -377,6 +377,17 @@ def test_server_json_timings() -> None:
     assert (r.prompt_tps, r.eval_tps) == (pytest.approx(150.0), pytest.approx(33.25))
 
 
+def test_server_json_timings_after_a_long_body() -> None:
+    # a response body far longer than any log line: the timings at its end are still read
+    body = '{"content":"' + "word " * 20000 + '","timings":{"prompt_per_second":12.5,"predicted_per_second":3.25}}'
+    r = parse_log(body + "\n")
+    assert (r.prompt_tps, r.eval_tps) == (12.5, 3.25)
+    # wherever an over-long line is cut for message parsing, a number cut in half is not read
+    for pad in range(8140, 8200):
+        r = parse_log('{"content":"' + "x" * pad + '","timings":{"prompt_per_second":12.5,"predicted_per_second":3.25}}')
+        assert (r.prompt_tps, r.eval_tps) == (12.5, 3.25), pad
+
+
 def test_2024_server_json_log_lines() -> None:
     text = ('{"tid":"1","timestamp":1,"level":"INFO","function":"print_timings","line":1,'
             '"msg":"prompt eval time     =     100.00 ms /    10 tokens (   10.00 ms per token,   100.00 tokens per second)","id_slot":0}\n'
@@ -478,6 +489,15 @@ Segmentation fault (core dumped)
     assert r.oom is False
 
 
+def test_repeated_failures_are_collapsed_and_capped() -> None:
+    same = parse_log("update_slots: failed to find free space in the KV cache\n" * 500)
+    assert same.errors == ("update_slots: failed to find free space in the KV cache",)
+    many = parse_log("".join(f"decode: failed to decode batch {i}\n" for i in range(5000)) + "Aborted\n")
+    assert len(many.errors) < 5000
+    assert many.errors[0] == "decode: failed to decode batch 0"  # the cause
+    assert many.errors[-1] == "Aborted"                        # and how it ended
+
+
 def test_docker_prefixed_oom_keeps_message_verbatim() -> None:
     r = parse_log("ollama  | ggml_backend_cuda_buffer_type_alloc_buffer: allocating 35533.34 MiB on device 0: cudaMalloc failed: out of memory\n"
                   "ollama  | llama_model_load: error loading model: unable to allocate CUDA0 buffer\n"
@@ -502,7 +522,7 @@ def test_cpu_only_build_counts_assignment_lines() -> None:
             + "load_tensors:          CPU model buffer size =   500.00 MiB\n")
     r = parse_log(text)
     assert (r.layers_offloaded, r.layers_total) == (0, 9)
-    assert r.partial_offload is True
+    assert r.partial_offload is False  # nothing offloaded is a CPU run, not partial offload
 
 
 def test_assignment_lines_count_accelerator_layers() -> None:
@@ -615,6 +635,11 @@ def test_n_ctx_fallbacks() -> None:
     # no "n_ctx =" line: the KV cache size in cells says it
     assert parse_log("llama_kv_cache: size = 78080.00 MiB ( 16384 cells,  61 layers,  1/1 seqs), "
                      "K (f16): 46848.00 MiB, V (f16): 31232.00 MiB\n").n_ctx == 16384
+    # non-unified KV (2026): the cells are per stream, "4/4 seqs" = 4 sequences in 4 streams
+    assert parse_log("llama_kv_cache: size = 2048.00 MiB (  4096 cells,  32 layers,  4/4 seqs), "
+                     "K (f16): 1024.00 MiB, V (f16): 1024.00 MiB\n").n_ctx == 16384
+    assert parse_log("llama_kv_cache_unified: size = 2048.00 MiB ( 16384 cells,  32 layers,  4 seqs), "
+                     "K (f16): 1024.00 MiB, V (f16): 1024.00 MiB\n").n_ctx == 16384
     assert parse_log("llama_context: n_ctx_seq (4096) < n_ctx_train (32768) -- the full capacity\n").n_ctx == 4096
     assert parse_log("common_init_from_params: setting dry_penalty_last_n to ctx_size = 2048\n").n_ctx == 2048
     # llama-cli's "generate: n_ctx" must not start a new context or override the context line
@@ -653,4 +678,5 @@ def test_format_report() -> None:
 def test_partial_offload_property() -> None:
     assert LoadReport(layers_offloaded=33, layers_total=33).partial_offload is False
     assert LoadReport(layers_offloaded=10, layers_total=33).partial_offload is True
+    assert LoadReport(layers_offloaded=0, layers_total=33).partial_offload is False
     assert LoadReport().partial_offload is None

@@ -19,9 +19,7 @@ from click.testing import CliRunner
 
 from tuner.cli_profile import profile_group
 from tuner.errors import ProfileError, ProfileValidationError, SchemaVersionError
-from tuner.fingerprint import model_fingerprint
 from tuner.hardware import GPU, GPUProcess, LlamaBuild, Machine
-from tuner.paths import profiles_dir
 from tuner.profile import (
     SCHEMA_VERSION,
     Profile,
@@ -502,7 +500,7 @@ def test_list_and_show(tmp_path, monkeypatch):
     result = runner.invoke(profile_group, ["show", mine.stem])
     assert result.exit_code == 0, result.output
     assert "  measured  tg 141.2 t/s (95% CI 140.7-141.7), pp 6120.5 t/s (95% CI 6120-6121); 512 prompt / 128 generated tokens at depth 0" in result.output
-    assert "    CUDA0: 9.5 GiB (weights 4.5 GiB, kv 4.5 GiB, compute 0.5 GiB); actual 9.5 GiB" in result.output
+    assert "    CUDA0: 9.50 GiB (weights 4.50 GiB, kv 4.50 GiB, compute 512 MiB); actual 9.48 GiB" in result.output
     result = runner.invoke(profile_group, ["show", str(mine), "--json"])
     assert json.loads(result.output) == json.loads(mine.read_text())
 

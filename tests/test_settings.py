@@ -70,3 +70,13 @@ def test_model_key_ignores_context_settings():
     b = a.replace(n_ctx=4096, n_threads=1, type_k="q8_0", flash_attn="on")
     c = a.replace(n_gpu_layers=6)
     assert a.model_key == b.model_key != c.model_key
+
+
+def test_all_layers_is_spelled_for_each_tool():
+    s = Settings(model_path="m.gguf", n_gpu_layers=-1, tensor_overrides=("a", "b"))
+    server = s.cli_args("llama-server")
+    assert server[server.index("-ngl") + 1] == "all"  # -1 would mean "auto" to llama-server
+    assert server[server.index("-ot") + 1] == "a=CPU,b=CPU"
+    bench = s.cli_args("llama-bench")
+    assert bench[bench.index("-ngl") + 1] == "-1"
+    assert bench[bench.index("-ot") + 1] == "a=CPU;b=CPU"  # ',' would start a second llama-bench run

@@ -52,6 +52,7 @@ from .profile import (
     ProfileWarning,
     SearchPath,
     describe_gpus,
+    format_bytes,
     list_profiles,
     profile_search_path,
     read_profile,
@@ -114,7 +115,7 @@ def load_profile(
     if not candidates:
         raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
     best = min(candidates, key=lambda c: c[:4])[-1]
-    return check_profile(best, model_path, machine=machine, strict=strict, margin_bytes=margin_bytes, _probed=probed, _fingerprint=fingerprint)
+    return _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes)
 
 
 def this_machine() -> "Machine":
@@ -174,8 +175,6 @@ def check_profile(
     machine: "Machine | None" = None,
     strict: bool = False,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
-    _probed: bool = False,
-    _fingerprint: dict | None = None,
 ) -> Profile:
     """Check one profile against this model file and this machine now; return it ready to load.
 
@@ -183,20 +182,31 @@ def check_profile(
     settings with ``degradation`` saying what changed and why. ``strict=True`` raises
     ``ProfileMismatchError`` instead of changing anything.
     """
-    fingerprint = _fingerprint or model_fingerprint(model_path)
+    probed = machine is None
+    machine = machine if machine is not None else this_machine()
+    return _check(profile, model_path, model_fingerprint(model_path), machine, probed, strict, margin_bytes)
+
+
+def _check(
+    profile: Profile,
+    model_path: str | os.PathLike[str],
+    fingerprint: dict,
+    machine: "Machine",
+    probed: bool,
+    strict: bool,
+    margin_bytes: int,
+) -> Profile:
     reason = model_mismatch(profile, fingerprint)
     if reason is not None:
         raise ProfileMismatchError(f"profile {profile.name} is {reason}; tune this file, or load the file that was tuned")
-    if machine is None:
-        machine, _probed = this_machine(), True
-    if _probed and profile.settings.rpc_servers and not machine.rpc_devices:
+    if probed and profile.settings.rpc_servers and not machine.rpc_devices:
         machine = _with_rpc_devices(machine, profile.settings.rpc_servers)
     if profile.machine.fingerprint != machine.fingerprint() and profile.machine.hardware_class != machine.hardware_class():
         warnings.warn(
             f"profile {profile.name} was tuned on another kind of machine ({profile.machine.describe()}); "
             "its speeds were measured there",
             ProfileWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     _check_build(profile, machine)
 
@@ -207,7 +217,7 @@ def check_profile(
         warnings.warn(
             f"profile {profile.name}: cannot check free memory on {'; '.join(plan.unknown)}",
             ProfileWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if changes and strict:
         raise ProfileMismatchError(
@@ -223,7 +233,7 @@ def check_profile(
             + "\n".join(f"  - {c}" for c in changes)
             + "\nPass strict=True to raise instead.",
             category,
-            stacklevel=2,
+            stacklevel=3,
         )
     return profile.replace(settings=settings, degradation=tuple(changes))
 
@@ -236,7 +246,7 @@ def _with_rpc_devices(machine: "Machine", servers: tuple[str, ...]) -> "Machine"
     try:
         return dataclasses.replace(machine, rpc_devices=tuple(query_devices(servers)))
     except Exception as exc:  # an unreachable server is reported by the fit check as "cannot check"
-        warnings.warn(f"could not query the RPC servers {', '.join(servers)}: {exc}", ProfileWarning, stacklevel=3)
+        warnings.warn(f"could not query the RPC servers {', '.join(servers)}: {exc}", ProfileWarning, stacklevel=4)
         return machine
 
 
@@ -252,12 +262,8 @@ def _check_build(profile: Profile, machine: "Machine") -> None:
             f"profile {profile.name} was measured with {'; '.join(differences)}: speed and memory use may differ; "
             "tune again to be sure",
             LlamaBuildWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-
-
-def _size(n_bytes: float) -> str:
-    return f"{n_bytes / GiB:.2f} GiB" if abs(n_bytes) >= GiB else f"{n_bytes / MiB:.0f} MiB"
 
 
 @dataclass
@@ -476,8 +482,8 @@ class _Plan:
         for key, need in needs.items():
             pool = self._pool(key)
             text = (
-                f"{pool.label} has {_size(pool.free)} free now and would need {_size(need)} "
-                f"+ {_size(self.margin)} margin"
+                f"{pool.label} has {format_bytes(pool.free)} free now and would need {format_bytes(need)} "
+                f"+ {format_bytes(self.margin)} margin"
             )
             if pool.gpu is not None:
                 text += f"; {_holders(pool.gpu)}"
@@ -493,7 +499,7 @@ def _holders(gpu: "GPU") -> str:
     if not gpu.processes:
         return f"NVML lists no process holding memory on GPU {gpu.index}"
     held = ", ".join(
-        f"pid {p.pid} {p.name} ({_size(p.used_memory) if p.used_memory is not None else 'size not reported'})" for p in gpu.processes
+        f"pid {p.pid} {p.name} ({format_bytes(p.used_memory) if p.used_memory is not None else 'size not reported'})" for p in gpu.processes
     )
     return f"GPU {gpu.index} memory is held by {held}"
 

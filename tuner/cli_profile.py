@@ -20,7 +20,7 @@ from .paths import ENV_PROFILE_PATH, profiles_dir
 from .profile import (
     Profile,
     ProfileWarning,
-    gib,
+    format_bytes,
     import_bundle,
     list_profiles,
     profile_search_path,
@@ -102,7 +102,7 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         rows.append((entry, profile, match))
     if as_json:
         for entry, profile, match in rows:
-            record = {"name": entry.path.stem, "path": str(entry.path), "origin": str(entry.origin)}
+            record: dict[str, Any] = {"name": entry.path.stem, "path": str(entry.path), "origin": str(entry.origin)}
             if profile is None:
                 record["error"] = str(entry.error)
             else:
@@ -134,7 +134,7 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
             f"    {profile.model.file_name} on {profile.machine.describe()}{f' ({match})' if match else ''}"
         )
         click.echo(
-            f"    tg {profile.measured.tg.median:g} t/s, pp {profile.measured.pp.median:g} t/s ({profile.objective}); "
+            f"    tg {profile.measured.tg.median:g} t/s, pp {profile.measured.pp.median:g} t/s (objective {profile.objective}); "
             f"n_gpu_layers {s.n_gpu_layers}, n_ctx {s.n_ctx}; tuned {profile.created_at}"
         )
 
@@ -161,8 +161,8 @@ def show_command(profile: str, as_json: bool) -> None:
         f"{p.name}  ({p.path})",
         f"  schema {p.schema_version}, written by offload-tuner {p.tool_version} at {p.created_at}",
         f"  model     {p.model.file_name}: {p.model.architecture}, {p.model.quantization or 'unknown quantization'}, "
-        f"{p.model.n_layer} layers, {gib(p.model.size)}, header {p.model.header_hash[:12]}",
-        f"  machine   {p.machine.describe()}; {p.machine.physical_cores} cores, {gib(p.machine.ram_total)} RAM; "
+        f"{p.model.n_layer} layers, {format_bytes(p.model.size)}, header {p.model.header_hash[:12]}",
+        f"  machine   {p.machine.describe()}; {p.machine.physical_cores} cores, {format_bytes(p.machine.ram_total)} RAM; "
         f"{p.machine.system} {p.machine.arch}; fingerprint {p.machine.fingerprint}, hardware class {p.machine.hardware_class}",
         f"  llama.cpp llama-cpp-python {p.llama_build.llama_cpp_python or '?'}, build {p.llama_build.llama_cpp_build or '?'}, "
         f"backends {', '.join(p.llama_build.backends) or 'none recorded'}",
@@ -178,11 +178,11 @@ def show_command(profile: str, as_json: bool) -> None:
     for device, predicted in p.memory.predicted.items():
         actual = p.memory.actual.get(device)
         line = (
-            f"    {device}: {gib(predicted.need)} (weights {gib(predicted.weights)}, kv {gib(predicted.kv)}, "
-            f"compute {gib(predicted.compute)})"
+            f"    {device}: {format_bytes(predicted.need)} (weights {format_bytes(predicted.weights)}, "
+            f"kv {format_bytes(predicted.kv)}, compute {format_bytes(predicted.compute)})"
         )
         if actual is not None:
-            line += f"; actual {gib(actual.need)}"
+            line += f"; actual {format_bytes(actual.need)}"
         out.append(line)
     t = p.trials
     out.append(f"  trials    {t.run} run, {t.pruned} pruned, {t.oom} out of memory, {t.failed} failed")
@@ -194,6 +194,7 @@ def show_command(profile: str, as_json: bool) -> None:
     if p.study is not None:
         out.append(f"  study     {p.study.name} ({p.study.storage or 'storage not recorded'})")
     out.append(f"  run it    {export_args(p, 'llama-server').strip()}")
+    out.append("            (the model path as recorded; `offload-tuner profile args PROFILE --model PATH` puts yours)")
     click.echo("\n".join(out))
 
 

@@ -140,6 +140,8 @@ def ollama_modelfile(profile: Profile, *, model_path: str | None = None) -> str:
     if s.main_gpu:
         lines.append(f"PARAMETER main_gpu {s.main_gpu}")
     lines.append(f"PARAMETER use_mmap {'true' if s.use_mmap else 'false'}")
+    # ollama starts llama-server with -c num_ctx x OLLAMA_NUM_PARALLEL (llm/llama_server.go).
+    lines.append("# num_ctx is per parallel request: the memory this profile measured holds with OLLAMA_NUM_PARALLEL=1")
 
     if s.n_threads_batch is not None:
         not_expressible.append(f"n_threads_batch {s.n_threads_batch}: ollama uses num_thread for prompt processing too")

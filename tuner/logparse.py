@@ -37,7 +37,7 @@ from typing import Any, Iterator
 
 MiB = 1048576
 
-__all__ = ["LoadReport", "parse_log", "format_report", "accuracy_report", "main"]
+__all__ = ["LoadReport", "parse_log", "format_report", "accuracy_report", "truth_matches", "main"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,10 +91,11 @@ class LoadReport:
 
     @property
     def partial_offload(self) -> bool | None:
-        """True when fewer layers than the model has were offloaded; None when the log doesn't say."""
+        """True when some but not all layers were offloaded (the slow middle ground); None when
+        the log doesn't say. Nothing offloaded (a CPU run) is not partial offload."""
         if self.layers_offloaded is None or self.layers_total is None:
             return None
-        return self.layers_offloaded < self.layers_total
+        return 0 < self.layers_offloaded < self.layers_total
 
     @property
     def device_weights(self) -> dict[str, int]:
@@ -212,7 +213,7 @@ _DECOR = [
 ]
 # A level word in front of the message ("ERROR: ...", "[ERROR] ...", "ERR [ load_model] ...",
 # 2024 llama-server text log): the carrier marked the line as an error.
-_ERROR_WORD_PREFIX = re.compile(r"^\[?(?:ERROR|ERR|FATAL|error|err|fatal)\b")
+_ERROR_WORD_PREFIX = re.compile(r"^\[?(?:ERROR|ERR|FATAL|error|fatal)\b")
 
 # Glued lines. Progress dots (llama_model_load's progress callback prints "." without a newline)
 # directly followed by the next message: ".....llama_init_from_model: ..." (2026),
@@ -258,8 +259,8 @@ class _Line:
     text: str          # message with transport prefixes and decorations removed (what regexes see)
     shown: str         # message with transport prefixes removed (what ``errors`` stores)
     error_level: bool  # the carrier said this line is an error (llama.cpp "E", JSON level, ...)
-    raw: str           # the physical line (for JSON fields)
     structured: bool = False  # a JSON log line as a whole: read for fields only, not as a message
+    truncated: bool = False   # cut from an over-long line whose fields were already read whole
 
 
 def _strip_transport(line: str) -> tuple[str, bool]:
@@ -299,11 +300,21 @@ def _unglue(line: str) -> list[str]:
     return [p for p in _GLUE_SPLIT.split(line) if p.strip()] if line else []
 
 
+# llama.cpp's own lines are short; anything longer is a metadata array, a chat template or a JSON
+# response body. Such a line is read whole for JSON fields only, and cut for everything else, so a
+# pathological paste cannot make the regexes slow.
+_MAX_LINE = 8192
+
+
 def _logical_lines(text: str) -> Iterator[_Line]:
     text = _ANSI.sub("", text.replace("\x00", "").replace("\ufeff", "").replace("\u00a0", " "))
     for raw in re.split(r"\r\n|\r|\n", text):
         if not raw.strip():
             continue
+        truncated = len(raw) > _MAX_LINE
+        if truncated:
+            yield _Line(raw, raw, False, structured=True)
+            raw = raw[:_MAX_LINE]
         line, err_t = _strip_transport(raw)
         extra: list[tuple[str, bool]] = []
         stripped = line.lstrip()
@@ -320,7 +331,8 @@ def _logical_lines(text: str) -> Iterator[_Line]:
                          for s in _json_unescape(m.group(2)).split("\n")]
         if extra:
             # the JSON line itself is still offered (for "timings" / "build" fields)
-            yield _Line(stripped, stripped, False, raw, structured=True)
+            if not truncated:
+                yield _Line(stripped, stripped, False, structured=True)
             pieces = extra
         else:
             pieces = [(line, err_t)]
@@ -331,7 +343,7 @@ def _logical_lines(text: str) -> Iterator[_Line]:
                 msg, err3 = _strip_decor(shown)
                 msg = msg.strip()
                 if msg:
-                    yield _Line(msg, shown, err or err2 or err3, raw)
+                    yield _Line(msg, shown, err or err2 or err3, truncated=truncated)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,9 +410,11 @@ _RX_KV_SELF = re.compile(r"^\w+:\s*KV self size\s*=\s*(" + _NUM + r")\s*(" + _UN
 
 # "%s: size = %7.2f MiB (%6u cells, %3d layers, %2u/%u seqs), K (%s): %7.2f MiB, V (%s): %7.2f MiB"
 #   llama_kv_cache_unified (mid 2025, "%2u seqs"), llama_kv_cache (late 2025-2026, "%2u/%u seqs").
-#   A SWA model prints it twice (non-SWA and SWA cache): the sizes add up.
+#   A SWA model prints it twice (non-SWA and SWA cache): the sizes add up. The cells are per
+#   stream; "n_seq_max/n_stream seqs" (2026) says how many streams (non-unified KV: one per sequence).
 _RX_KV_SIZE = re.compile(r"^llama_kv_cache\w*:\s*size\s*=\s*(" + _NUM + r")\s*(" + _UNIT + r")"
-                         r"(?:\s*\(\s*(\d+)\s*cells\b[^)]*\))?"
+                         r"(?:\s*\(\s*(\d+)\s*cells\b(?:\s*,\s*\d+\s*layers)?"
+                         r"(?:\s*,\s*\d+\s*(?:/\s*(\d+)\s*)?seqs)?[^)]*\))?"
                          r"(?:\s*,\s*K\s*\((\w+)\)\s*:\s*" + _NUM + r"\s*" + _UNIT + r"\s*,\s*V\s*\((\w+)\))?")
 
 # "%s: kv_size = %u, type_k = '%s', type_v = '%s', n_layer = %d, ..."  llama_kv_cache_init (2024),
@@ -603,6 +617,11 @@ class _Ctx:
         return None
 
 
+# A runaway log can repeat failures without end: keep the first and the last ones (the cause and
+# the way the process died), up to this many lines in all.
+_MAX_ERRORS = 200
+
+
 def _add(d: dict[str, int], key: str, value: int | None) -> None:
     if value is not None:
         d[key] = d.get(key, 0) + value
@@ -635,14 +654,15 @@ class _Parser:
     def feed(self, ln: _Line) -> None:
         t = ln.text
         if ln.structured:
-            self._build(t, ln.raw)
+            self._build(t)
             self._timings(t)
             return
         self._failures(ln)
-        if self._build(t, ln.raw):
-            return
-        if self._timings(t):
-            return
+        if not ln.truncated:  # numbers at the cut could be cut too; the whole line was read already
+            if self._build(t):
+                return
+            if self._timings(t):
+                return
         if self._model(t):
             return
         self._context(t)
@@ -657,9 +677,11 @@ class _Parser:
         if is_oom:
             self.oom = True
         if is_oom or (not non_fatal and (ln.error_level or _ERROR_LINE.search(t))):
-            self.errors.append(ln.shown)
+            # a failure repeated line after line (a decode loop) is one failure
+            if not self.errors or self.errors[-1] != ln.shown:
+                self.errors.append(ln.shown)
 
-    def _build(self, t: str, raw: str) -> bool:
+    def _build(self, t: str) -> bool:
         if self.build is not None:
             return False
         m = _RX_BUILD_BENCH.match(t)
@@ -802,9 +824,9 @@ class _Parser:
             if size is not None:
                 c.kv_sizes.append(size)
             if m.group(3):
-                c.cells = max(c.cells or 0, int(m.group(3)))
-            c.type_k = m.group(4) or c.type_k
-            c.type_v = m.group(5) or c.type_v
+                c.cells = max(c.cells or 0, int(m.group(3)) * int(m.group(4) or 1))
+            c.type_k = m.group(5) or c.type_k
+            c.type_v = m.group(6) or c.type_v
             return
         m = _RX_KV_INIT.match(t)
         if m:
@@ -867,8 +889,10 @@ class _Parser:
             # the output layer) -> count; only when the block is complete, else a cut log would
             # undercount
             idx = sorted(p.assignments)
-            complete = idx == list(range(len(idx))) and (
-                p.n_layer + 1 == len(idx) if p.n_layer is not None else p.assign_closed)
+            # (an MTP/nextn model lists more than n_layer + 1; fewer means the listing was cut)
+            complete = (idx == list(range(len(idx)))
+                        and (p.assign_closed or (p.n_layer is not None and len(idx) == p.n_layer + 1))
+                        and (p.n_layer is None or len(idx) >= p.n_layer + 1))
             if complete:
                 total = len(idx)
                 offloaded = sum(1 for d in p.assignments.values() if not d.upper().startswith("CPU"))
@@ -891,7 +915,8 @@ class _Parser:
             prompt_tps=self.prompt_tps,
             eval_tps=self.eval_tps,
             build=self.build,
-            errors=tuple(self.errors),
+            errors=tuple(self.errors if len(self.errors) <= _MAX_ERRORS
+                         else self.errors[: _MAX_ERRORS // 2] + self.errors[-_MAX_ERRORS // 2:]),
         )
 
 

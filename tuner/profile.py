@@ -416,6 +416,11 @@ def gib(n_bytes: float) -> str:
     return f"{n_bytes / (1 << 30):.1f} GiB"
 
 
+def format_bytes(n_bytes: float) -> str:
+    """``'9.50 GiB'``, or ``'512 MiB'`` below a GiB: sizes for people (bytes everywhere else)."""
+    return f"{n_bytes / (1 << 30):.2f} GiB" if abs(n_bytes) >= 1 << 30 else f"{n_bytes / (1 << 20):.0f} MiB"
+
+
 # -- reading and writing files -----------------------------------------------------------------
 
 
@@ -535,7 +540,7 @@ def write_bundle(profiles: Iterable[Profile], path: str | os.PathLike[str]) -> P
 class BundleItem(NamedTuple):
     """One profile of a bundle: the parsed profile and its document as written, or why not."""
 
-    index: int
+    position: int  # its index in the bundle's profiles list
     result: Union[Profile, ProfileError]
     document: Mapping[str, Any] | None
 
@@ -600,42 +605,39 @@ def import_bundle(
     results = []
     for item in read_bundle(bundle_path):
         if isinstance(item.result, ProfileError):
-            results.append(ImportResult(item.index, "invalid", None, str(item.result)))
+            results.append(ImportResult(item.position, "invalid", None, str(item.result)))
             continue
         profile, identity = item.result, item.result.identity()
         target = dest_dir / profile.default_filename()
         if identity in seen_in_bundle:
             results.append(
-                ImportResult(item.index, "duplicate", None, f"same as profiles[{seen_in_bundle[identity]}] in this bundle", profile)
+                ImportResult(item.position, "duplicate", None, f"same as profiles[{seen_in_bundle[identity]}] in this bundle", profile)
             )
             continue
-        seen_in_bundle[identity] = item.index
+        seen_in_bundle[identity] = item.position
         if identity in existing and not force:
             results.append(
-                ImportResult(item.index, "duplicate", existing[identity], f"already present as {existing[identity]}", profile)
+                ImportResult(item.position, "duplicate", existing[identity], f"already present as {existing[identity]}", profile)
             )
             continue
         replaced = target.exists()
         if replaced and not force:
             other = _describe_existing(target)
             results.append(
-                ImportResult(item.index, "conflict", target, f"{target} exists with other settings ({other}); --force replaces it", profile)
+                ImportResult(item.position, "conflict", target, f"{target} exists with other settings ({other}); --force replaces it", profile)
             )
             continue
         atomic_write_text(target, json.dumps(item.document, indent=2, allow_nan=False) + "\n")
         results.append(
-            ImportResult(item.index, "replaced" if replaced else "imported", target, f"{profile.model.file_name} on {profile.machine.describe()}", profile)
+            ImportResult(item.position, "replaced" if replaced else "imported", target, f"{profile.model.file_name} on {profile.machine.describe()}", profile)
         )
     return results
 
 
 def tool_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from . import __version__
 
-    try:
-        return version("offload-tuner")
-    except PackageNotFoundError:
-        return "0+unknown"
+    return __version__
 
 
 def _describe_existing(path: Path) -> str:
@@ -1044,4 +1046,5 @@ __all__ = [
     "utc_now",
     "tool_version",
     "describe_gpus",
+    "format_bytes",
 ]

@@ -230,7 +230,11 @@ class Settings:
         if tool not in CLI_TOOLS:
             raise SettingsError("tool", f"expected one of {', '.join(CLI_TOOLS)}, got {tool!r}")
         bench = tool == "llama-bench"
-        args = ["-m", model_path or self.model_path, "-ngl", str(self.n_gpu_layers)]
+        # -1 means every layer here (llama_model_params). llama-server/llama-cli read -1 as
+        # "auto" (fit to free memory) and take "all" for every layer (common/arg.cpp, 2026);
+        # llama-bench passes the number through to llama_model_params, where -1 is all.
+        ngl = "all" if self.n_gpu_layers < 0 and not bench else str(self.n_gpu_layers)
+        args = ["-m", model_path or self.model_path, "-ngl", ngl]
         if self.split_mode != "layer":
             args += ["-sm", self.split_mode]
         if self.main_gpu:

@@ -1,0 +1,298 @@
+"""Exports: every format against a reviewed golden file, and through llama.cpp's own argument parsers.
+
+The golden files in ``tests/golden/`` were written once and read line by line against llama.cpp's
+``common/arg.cpp``, ``tools/llama-bench/llama-bench.cpp`` and ollama's ``api/types.go``; a change in
+an export must change its golden file in the same commit, by hand.
+
+The parser tests build a small harness around ``common_params_parse`` (what llama-server and
+llama-cli call) and llama-bench itself, from llama.cpp's sources against the ``libllama-common`` that
+llama-cpp-python installs. They skip when the sources (``LLAMA_CPP_SOURCE``, or an unpacked
+llama-cpp-python sdist in the temp folder) or a C++ compiler are missing.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.test_profile import GiB, MiB, make_machine, profile_dict
+from tuner.cli_profile import profile_group
+from tuner.errors import ProfileError
+from tuner.exports import FORMATS, export_args, llama_server_env, tool_args
+from tuner.profile import Profile
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def simple_profile() -> Profile:
+    """llama.cpp's usual shape: everything on one GPU, f16 KV cache, mmap."""
+    return Profile.from_dict(profile_dict()).replace(path="/team/profiles/qwen3-8b--4090.json")
+
+
+def full_profile() -> Profile:
+    """Every setting away from its default, so every mapping and every 'not expressible' note shows."""
+    machine = make_machine(gpus=(("NVIDIA GeForce RTX 3090", 24 * GiB),) * 2)
+    document = profile_dict(
+        machine,
+        model_path="/srv/models/team models/Qwen3-8B-Q4_K_M.gguf",
+        n_gpu_layers=30,
+        split_mode="row",
+        main_gpu=1,
+        tensor_split=[3, 1],
+        n_ctx=16384,
+        n_batch=1024,
+        n_ubatch=256,
+        n_threads=12,
+        n_threads_batch=None,
+        flash_attn="on",
+        type_k="q8_0",
+        type_v="q4_0",
+        offload_kqv=False,
+        use_mmap=False,
+        use_mlock=True,
+        op_offload=False,
+        tensor_overrides=[r"blk\.(0|1)\.ffn_.*", "exps"],
+        rpc_servers=["10.0.0.2:50052"],
+    )
+    document["measured"]["depth"] = 4096
+    document["memory"]["predicted"] = {
+        "CUDA0": {"weights": 2900 * MiB, "kv": 0, "compute": 400 * MiB, "total": 3300 * MiB},
+        "CUDA1": {"weights": 1000 * MiB, "kv": 0, "compute": 400 * MiB, "total": 1400 * MiB},
+        "RPC0[10.0.0.2:50052]": {"weights": 300 * MiB, "kv": 0, "compute": 100 * MiB, "total": 400 * MiB},
+        "CPU": {"weights": 900 * MiB, "kv": 2304 * MiB, "compute": 200 * MiB, "total": 3404 * MiB},
+    }
+    return Profile.from_dict(document).replace(path="/team/profiles/qwen3-8b--2x3090.json")
+
+
+PROFILES = {"simple": simple_profile, "full": full_profile}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_export_matches_its_golden_file(fmt, variant):
+    expected = (GOLDEN / f"{fmt}-{variant}.txt").read_text()
+    assert export_args(PROFILES[variant](), fmt) == expected
+
+
+def test_every_golden_file_is_used():
+    assert sorted(p.name for p in GOLDEN.glob("*.txt")) == sorted(f"{f}-{v}.txt" for f in FORMATS for v in PROFILES)
+
+
+def test_the_app_model_path_replaces_the_recorded_one():
+    profile = simple_profile()
+    assert tool_args(profile, "llama-server", model_path="/data/q.gguf")[:2] == ["-m", "/data/q.gguf"]
+    assert "FROM /data/q.gguf\n" in export_args(profile, "ollama", model_path=Path("/data/q.gguf"))
+    assert "export LLAMA_ARG_MODEL=/data/q.gguf\n" in export_args(profile, "env", model_path="/data/q.gguf")
+
+
+def test_an_unknown_format_is_refused():
+    with pytest.raises(ProfileError, match=r"^unknown export format 'vllm'; expected one of llama-server, llama-cli, llama-bench, ollama, env$"):
+        export_args(simple_profile(), "vllm")
+
+
+def test_profile_args_command(tmp_path):
+    path = full_profile().replace(path=None).write(tmp_path / "team.json")
+    runner = CliRunner()
+    result = runner.invoke(profile_group, ["args", str(path), "--for", "ollama"])
+    assert result.exit_code == 0, result.output
+    assert result.output == export_args(Profile.from_dict(json.loads(path.read_text())).replace(path=str(path)), "ollama")
+    result = runner.invoke(profile_group, ["args", str(path), "--model", "/data/q.gguf"])
+    assert result.output.startswith("llama-server -m /data/q.gguf -ngl 30 ")
+    result = runner.invoke(profile_group, ["args", str(path), "--for", "vllm"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--for'" in result.output
+
+
+# -- through llama.cpp's own parsers ------------------------------------------------------------
+
+HARNESS = r"""
+// What llama.cpp's common_params_parse (llama-server, llama-cli) understood from argv and LLAMA_ARG_*.
+#include "arg.h"
+#include "common.h"
+#include <cstdio>
+#include <cstring>
+
+int main(int argc, char ** argv) {
+    llama_example ex = std::strcmp(argv[1], "llama-cli") == 0 ? LLAMA_EXAMPLE_CLI : LLAMA_EXAMPLE_SERVER;
+    argv[1] = argv[0];
+    common_params params;
+    if (!common_params_parse(argc - 1, argv + 1, params, ex)) {
+        return 3;
+    }
+    printf("model=%s\n", params.model.path.c_str());
+    printf("n_gpu_layers=%d\n", params.n_gpu_layers);
+    printf("split_mode=%d\n", (int) params.split_mode);
+    printf("main_gpu=%d\n", params.main_gpu);
+    printf("tensor_split=%g,%g\n", params.tensor_split[0], params.tensor_split[1]);
+    printf("n_ctx=%d\n", params.n_ctx);
+    printf("n_batch=%d\n", params.n_batch);
+    printf("n_ubatch=%d\n", params.n_ubatch);
+    printf("n_threads=%d\n", params.cpuparams.n_threads);
+    printf("n_threads_batch=%d\n", params.cpuparams_batch.n_threads);
+    printf("flash_attn=%d\n", (int) params.flash_attn_type);
+    printf("type_k=%s\n", ggml_type_name(params.cache_type_k));
+    printf("type_v=%s\n", ggml_type_name(params.cache_type_v));
+    printf("no_kv_offload=%d\n", (int) params.no_kv_offload);
+    printf("load_mode=%d\n", (int) params.load_mode);
+    printf("no_op_offload=%d\n", (int) params.no_op_offload);
+    for (const auto & o : params.tensor_buft_overrides) {
+        if (o.pattern) printf("override=%s=%s\n", o.pattern, ggml_backend_buft_name(o.buft));
+    }
+    return 0;
+}
+"""
+
+
+def _llama_cpp_source() -> Path | None:
+    candidates = [os.environ.get("LLAMA_CPP_SOURCE", "")]
+    candidates += sorted(glob.glob(os.path.join(tempfile.gettempdir(), "llama_cpp_python-*", "vendor", "llama.cpp")))
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "common" / "arg.h").is_file():
+            return Path(candidate)
+    return None
+
+
+@pytest.fixture(scope="session")
+def llama_parsers(tmp_path_factory):
+    """(harness, llama-bench, environment) built from llama.cpp's sources, or a skip saying what is missing."""
+    source = _llama_cpp_source()
+    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if source is None:
+        pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
+    if not (libdir / "libllama-common.so").exists() or compiler is None:
+        pytest.skip(f"needs a C++ compiler and {libdir / 'libllama-common.so'} (installed by llama-cpp-python)")
+    out = tmp_path_factory.mktemp("llama-parsers")
+    (out / "harness.cpp").write_text(HARNESS)
+    include = [f"-I{source / d}" for d in ("common", "include", "ggml/include", "vendor")]
+    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{libdir}"]
+    bench_dir = source / "tools" / "llama-bench"
+    for target, sources in (("harness", [out / "harness.cpp"]), ("llama-bench", [bench_dir / "llama-bench.cpp", bench_dir / "main.cpp"])):
+        proc = subprocess.run(
+            [compiler, "-std=c++17", "-O0", *include, f"-I{bench_dir}", *map(str, sources), "-o", str(out / target), *link],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            pytest.skip(f"could not build {target} against {source}: {proc.stderr[-2000:]}")
+    # libllama-common's own dependencies are found through the library path, not its rpath.
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    env = {k: v for k, v in env.items() if not k.startswith("LLAMA_ARG_")}
+    return out / "harness", out / "llama-bench", env
+
+
+def _parsed(harness: Path, tool: str, args: list[str], env: dict) -> dict[str, str]:
+    proc = subprocess.run([str(harness), tool, *args], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        out[key] = f"{out[key]};{value}" if key in out else value
+    return out
+
+
+def _expected(profile: Profile, model_path: str) -> dict[str, str]:
+    s = profile.settings
+    split = (list(s.tensor_split) + [0, 0])[:2] if s.tensor_split else [0, 0]
+    expected = {
+        "model": model_path,
+        "n_gpu_layers": str(profile.layers_total if s.n_gpu_layers < 0 else s.n_gpu_layers),
+        "split_mode": str({"none": 0, "layer": 1, "row": 2}[s.split_mode]),
+        "main_gpu": str(s.main_gpu),
+        "tensor_split": ",".join(f"{p:g}" for p in split),
+        "n_ctx": str(s.n_ctx),
+        "n_batch": str(s.n_batch),
+        "n_ubatch": str(s.n_ubatch),
+        "flash_attn": str({"auto": -1, "off": 0, "on": 1}[s.flash_attn]),
+        "type_k": s.type_k,
+        "type_v": s.type_v,
+        "no_kv_offload": str(int(not s.offload_kqv)),
+        # enum llama_load_mode (include/llama.h): AUTO -1 is the default, left as is for plain mmap
+        "load_mode": str({(True, False): -1, (False, False): 0, (False, True): 2, (True, True): 3}[(s.use_mmap, s.use_mlock)]),
+        "no_op_offload": str(int(not s.op_offload)),
+    }
+    if s.n_threads is not None:
+        expected["n_threads"] = str(s.n_threads)
+    if s.n_threads_batch is not None:
+        expected["n_threads_batch"] = str(s.n_threads_batch)
+    if s.tensor_overrides:
+        expected["override"] = ";".join(f"{p}=CPU" for p in s.tensor_overrides)
+    return expected
+
+
+def _without_rpc(profile: Profile) -> Profile:
+    # --rpc connects to its servers while parsing: no server runs here.
+    return profile.replace(settings=profile.settings.replace(rpc_servers=()))
+
+
+@pytest.mark.parametrize("tool", ["llama-server", "llama-cli"])
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_llama_cpp_parses_the_flags_as_the_profile_means(llama_parsers, tool, variant, tmp_path):
+    harness, _bench, env = llama_parsers
+    profile = _without_rpc(PROFILES[variant]())
+    model = str(tmp_path / "model.gguf")
+    parsed = _parsed(harness, tool, tool_args(profile, tool, model_path=model), env)
+    expected = _expected(profile, model)
+    assert {k: parsed.get(k) for k in expected} == expected
+
+
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_llama_server_reads_the_env_export_as_the_same_settings(llama_parsers, variant, tmp_path):
+    harness, _bench, env = llama_parsers
+    profile = _without_rpc(PROFILES[variant]())
+    model = str(tmp_path / "model.gguf")
+    exported = dict(env)
+    flags: list[str] = []
+    for line in llama_server_env(profile, model_path=model).splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export ") :].partition("=")
+            exported[name] = shlex.split(value)[0]
+        elif "pass them as flags: " in line:
+            flags = shlex.split(line.split("pass them as flags: ", 1)[1])
+    assert _parsed(harness, "llama-server", flags, exported) == _parsed(
+        harness, "llama-server", tool_args(profile, "llama-server", model_path=model), env
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from tuner.testing import ModelShape, make_model
+
+    shape = ModelShape(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, n_vocab=320, n_ctx_train=512)
+    return make_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", shape)
+
+
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_llama_bench_runs_the_exported_flags(llama_parsers, tiny_model, variant):
+    _harness, bench, env = llama_parsers
+    profile = _without_rpc(PROFILES[variant]())
+    args = tool_args(profile, "llama-bench", model_path=str(tiny_model))
+    # A tiny benchmark: the exported prompt/generation/depth sizes are replaced by small ones.
+    for flag, value in (("-p", "8"), ("-n", "4"), ("-d", "0")):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+    proc = subprocess.run([str(bench), *args, "-r", "1", "-o", "json"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run, *_rest) = json.loads(proc.stdout)
+    s = profile.settings
+    assert run["n_gpu_layers"] == (profile.layers_total if s.n_gpu_layers < 0 else s.n_gpu_layers)
+    assert (run["n_batch"], run["n_ubatch"], run["type_k"], run["type_v"]) == (s.n_batch, s.n_ubatch, s.type_k, s.type_v)
+    assert run["split_mode"] == s.split_mode and run["main_gpu"] == s.main_gpu
+    assert run["no_kv_offload"] == (not s.offload_kqv)
+    assert bool(run["no_op_offload"]) == (not s.op_offload)
+    assert run["flash_attn"] == {"auto": -1, "off": 0, "on": 1}[s.flash_attn]
+    if s.tensor_split:
+        assert run["tensor_split"] == "/".join(f"{p:.2f}" for p in s.tensor_split)
+    if s.tensor_overrides:
+        assert run["tensor_buft_overrides"] == ";".join(f"{p}=CPU" for p in s.tensor_overrides)
+    if s.n_threads is not None:
+        assert run["n_threads"] == s.n_threads

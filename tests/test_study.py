@@ -1,0 +1,196 @@
+"""The tune loop's search logic, with the scripted engine (tuner.fake) standing in for llama.cpp.
+
+The real engine is exercised by test_tune_real.py and the runner's own tests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tuner.estimate import estimate
+from tuner.fake import ScriptedRunner
+from tuner.hardware import LlamaBuild, Machine
+from tuner.model import inspect
+from tuner.outcome import Outcome
+from tuner.profile import Profile, read_profile
+from tuner.space import Device, build_space
+from tuner.study import Tuner, tune
+
+MiB = 1 << 20
+RPC = "RPC0[127.0.0.1:50052]"
+
+
+def machine(rpc_free: int | None = None, cores: int = 4) -> Machine:
+    rpc = ({"endpoint": "127.0.0.1:50052", "name": "RPC0", "description": "", "memory_free": rpc_free, "memory_total": rpc_free},) if rpc_free else ()
+    return Machine(cpu_model="Test CPU", physical_cores=cores, logical_cores=cores, ram_total=16 << 30, ram_available=12 << 30,
+                   gpu_status="no GPU", llama=LlamaBuild(llama_cpp_python="0.3.36", gpu_offload=True, rpc=True, backends=("cpu", "rpc")),
+                   rpc_devices=rpc)
+
+
+def kwargs(**extra):
+    base = dict(min_ctx=512, n_prompt=64, n_gen=16, repetitions=2, final_repetitions=3, vram_margin=0)
+    base.update(extra)
+    return base
+
+
+def test_space_without_a_gpu_leaves_offload_out_and_says_why(models):
+    info = inspect(models["q8_0"])
+    space = build_space([info], devices=(), physical_cores=4, logical_cores=8, min_ctx=512)
+    dims = space.dimensions()
+    assert "n_gpu_layers" not in dims and "placements" not in dims
+    assert "no GPU" in space.excluded["n_gpu_layers"]
+    assert space.threads == (2, 4, 8)
+    assert dims["kv_types"] == ["f16", "q8_0", "q4_0"] and dims["flash_attn"] == ["on", "off"]
+    assert all(c >= 512 for c in space.n_ctx)
+    assert "n_batch" in space.excluded  # a 512-token prompt fits in one batch
+    assert "(left out) n_gpu_layers" in space.describe()
+
+
+def test_space_with_devices(models):
+    info = inspect(models["q8_0"])
+    devices = (Device("A", 1 << 30, 1 << 30), Device("B", 1 << 30, 1 << 30))
+    space = build_space([info], devices=devices, physical_cores=2, logical_cores=2, min_ctx=512)
+    dims = space.dimensions()
+    assert dims["n_gpu_layers"] == (0, info.n_layer + 1)
+    assert "layers_on[A]" in dims and "layers_on[B]" not in dims  # the last device takes the rest
+    assert "experts_cpu" not in dims["placements"] and "dense model" in space.excluded["placement: experts_cpu"]
+    moe = build_space([inspect(models["moe"])], devices=devices[:1], min_ctx=512)
+    assert "experts_cpu" in moe.dimensions()["placements"] and "one device" in moe.excluded["tensor_split"]
+
+
+def test_split_counts_and_placements(models):
+    info = inspect(models["q8_0"])
+    space = build_space([info], devices=(Device("A", 1, 1), Device("B", 1, 1)), min_ctx=512)
+    assert space.split_from_counts(5, [2]) == (2.0, 3.0)
+    with pytest.raises(ValueError, match="add up to more"):
+        space.split_from_counts(3, [4])
+    s = space.settings(variant=info.path, n_gpu_layers=5, n_ctx=512, kv="f16", flash_attn="on", threads=1,
+                       n_ubatch=512, n_batch=512, placement="ffn_cpu", placement_layers=2)
+    assert s.tensor_overrides == (r"^blk\.(0|1)\.ffn_(gate|up|down)(_exps)?\.weight$",)
+
+
+def test_no_gpu_tune_writes_a_valid_profile(models, tuner_home):
+    infos = {str(p): inspect(p) for p in (models["q8_0"], models["q4_k_m"])}
+    engine = ScriptedRunner(infos)
+    result = tune(str(models["q8_0"]), variants=[str(models["q4_k_m"])], trials=6, machine=machine(), engine=engine, **kwargs())
+    # six trials, then the winner's re-measure (and the runner-up's, when it ties within noise)
+    assert len(engine.launched) in (7, 8)
+    assert len({json.dumps(s.to_dict(), sort_keys=True) for s in engine.launched[:6]}) == 6
+    assert engine.launched[6].to_dict() == result.best["settings"] or result.runner_up is not None
+    assert result.profile_path.parent == tuner_home / "profiles"
+    data = json.loads(result.profile_path.read_text())
+    profile = Profile.from_dict(data)  # validates against the schema
+    assert read_profile(result.profile_path) == profile
+    assert data["schema_version"] == "1.0" and data["objective"] == "tg" and data["min_ctx"] == 512
+    assert data["trials"]["run"] == 6 and data["trials"]["oom"] == 0
+    assert data["measured"]["tg"]["median"] > 0 and len(data["measured"]["tg"]["samples"]) == 3
+    assert data["model"]["header_hash"] == infos[data["settings"]["model_path"]].header_hash
+    assert data["machine"]["cpu_model"] == "Test CPU"
+    assert data["settings"]["n_gpu_layers"] == 0
+    # the fake's fastest: most threads, not q4_0
+    assert data["settings"]["n_threads"] == 4 and data["settings"]["type_k"] != "q4_0"
+
+
+def test_rejects_a_variant_of_another_model(models, tmp_path):
+    engine = ScriptedRunner({str(models["q8_0"]): inspect(models["q8_0"])})
+    tuner = Tuner(str(models["q8_0"]), variants=[str(models["moe"]), str(tmp_path / "missing.gguf")], trials=1,
+                  machine=machine(), engine=engine, **kwargs())
+    assert "not the same model: n_layer differs" in tuner.rejected[str(models["moe"])]
+    assert "no such file" in tuner.rejected[str(tmp_path / "missing.gguf")]
+
+
+def test_candidates_predicted_not_to_fit_are_not_launched(models):
+    info = inspect(models["q8_0"])
+    # a device with room for about two layers' worth of the model at the smallest settings
+    need = {ngl: estimate(info, n_gpu_layers=ngl, devices=[RPC], n_ctx=512, n_ubatch=128, type_k="q4_0",
+                          flash_attn=True).devices[RPC].total for ngl in range(6)}
+    free = need[2] + 1
+    engine = ScriptedRunner({str(models["q8_0"]): info}, devices=(RPC,))
+    events = []
+    tuner = Tuner(str(models["q8_0"]), trials=12, machine=machine(rpc_free=free), engine=engine,
+                  rpc_servers=("127.0.0.1:50052",), on_event=events.append, **kwargs())
+    tuner.run()
+    for s in engine.launched:
+        est = tuner.estimate_for(s)
+        assert est.devices[RPC].total <= free
+    pruned = [e for e in events if e["kind"] == "pruned"]
+    assert pruned and all("predicted not to fit" in e["reason"] or "learned" in e["reason"] for e in pruned)
+
+
+def test_out_of_memory_is_learned_and_not_repeated(models):
+    info = inspect(models["q8_0"])
+    # The device reports plenty of memory (like an RPC server over host RAM) but holds only ~3 layers.
+    cap = estimate(info, n_gpu_layers=3, devices=[RPC], n_ctx=512, n_ubatch=512, flash_attn=True).devices[RPC].total
+    engine = ScriptedRunner({str(models["q8_0"]): info}, devices=(RPC,), capacity={RPC: cap})
+    events = []
+    tuner = Tuner(str(models["q8_0"]), trials=15, machine=machine(rpc_free=8 << 30), engine=engine,
+                  rpc_servers=("127.0.0.1:50052",), on_event=events.append, **kwargs())
+    result = tuner.run()
+    ooms = [s for s in engine.launched if tuner.estimate_for(s).devices[RPC].total > cap]
+    # after the first OOM nothing needing as much or more on that device is launched
+    first_oom = next(i for i, s in enumerate(engine.launched) if tuner.estimate_for(s).devices[RPC].total > cap)
+    threshold = tuner.estimate_for(engine.launched[first_oom]).devices[RPC].total
+    for s in engine.launched[first_oom + 1:]:
+        assert tuner.estimate_for(s).devices[RPC].total < threshold
+    # every later candidate at or past the boundary was pruned with the reason, not launched
+    for e in events:
+        if e["kind"] == "pruned" and e["reason"].startswith("learned"):
+            assert f"ran out of memory" in e["reason"]
+    # OOM is a constraint, not a score: no trial value is 0, and the winner fits
+    assert result.counts["oom"] == len(ooms) >= 1
+    assert tuner.estimate_for(tuner.space.settings(**_from(result.best["settings"], tuner))).devices[RPC].total <= cap
+
+
+def test_learned_thresholds_block_bigger_candidates(models):
+    info = inspect(models["q8_0"])
+    engine = ScriptedRunner({str(models["q8_0"]): info}, devices=(RPC,))
+    tuner = Tuner(str(models["q8_0"]), trials=1, machine=machine(rpc_free=8 << 30), engine=engine,
+                  rpc_servers=("127.0.0.1:50052",), **kwargs())
+    small, big = (tuner.space.settings(variant=info.path, n_gpu_layers=n, n_ctx=512, kv="f16", flash_attn="on", threads=4,
+                                       n_ubatch=512, n_batch=512) for n in (2, 4))
+    threshold = tuner.estimate_for(big).devices[RPC].total
+    assert tuner.check(small, tuner.estimate_for(small), {RPC: threshold}) is None
+    reason = tuner.check(big, tuner.estimate_for(big), {RPC: threshold})
+    assert reason.startswith(f"learned: a placement needing {threshold / MiB:.0f} MiB on {RPC} ran out of memory")
+
+
+def _from(settings: dict, tuner: Tuner) -> dict:
+    return dict(variant=settings["model_path"], n_gpu_layers=settings["n_gpu_layers"], n_ctx=settings["n_ctx"],
+                kv=settings["type_k"], flash_attn=settings["flash_attn"], threads=settings["n_threads"],
+                n_ubatch=settings["n_ubatch"], n_batch=settings["n_batch"], offload_kqv=settings["offload_kqv"])
+
+
+def test_interrupted_study_resumes_without_repeating_trials(models, tuner_home):
+    infos = {str(models["q8_0"]): inspect(models["q8_0"])}
+    first = ScriptedRunner(infos, interrupt_after=3)
+    partial = tune(str(models["q8_0"]), trials=8, machine=machine(), engine=first, **kwargs())
+    assert partial.interrupted and len(first.launched) == 3
+    # Ctrl-C still wrote the best profile so far
+    assert partial.profile_path.exists() and partial.counts["run"] == 3
+    second = ScriptedRunner(infos)
+    resumed = tune(str(models["q8_0"]), trials=8, machine=machine(), engine=second, **kwargs())
+    assert not resumed.interrupted
+    keys = lambda runs: {json.dumps(s.to_dict(), sort_keys=True) for s in runs}  # noqa: E731
+    completed_first = keys(first.launched)  # the fourth launch was interrupted: it may run again
+    trial_runs = second.launched[: 8 - 3]  # then come the winner's (and maybe the runner-up's) re-measure
+    assert not (keys(trial_runs) & completed_first)
+    assert resumed.counts["run"] == 8
+
+
+def test_failures_are_recorded_and_never_scored(models):
+    infos = {str(models["q8_0"]): inspect(models["q8_0"])}
+    engine = ScriptedRunner(infos, fail=lambda s: Outcome.CRASH if s.type_k == "q4_0" else None)
+    result = tune(str(models["q8_0"]), trials=8, machine=machine(), engine=engine, **kwargs())
+    assert result.best["settings"]["type_k"] != "q4_0"
+    assert result.counts["failed"] == sum(1 for s in engine.launched[:-1] if s.type_k == "q4_0")
+
+
+def test_nothing_runs_is_a_clear_error(models):
+    from tuner.errors import StudyError
+
+    infos = {str(models["q8_0"]): inspect(models["q8_0"])}
+    engine = ScriptedRunner(infos, fail=lambda s: Outcome.TIMEOUT)
+    with pytest.raises(StudyError, match="no candidate ran successfully"):
+        tune(str(models["q8_0"]), trials=3, machine=machine(), engine=engine, **kwargs())
