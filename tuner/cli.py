@@ -306,6 +306,142 @@ def parse_log_cmd(file: Any, as_json: bool) -> None:
     _emit(as_json, report.to_dict(), lambda: format_report(report))
 
 
+def _summary(s: dict[str, Any]) -> str:
+    parts = [Path(s["model_path"]).name]
+    if s.get("n_gpu_layers"):
+        parts.append(f"ngl={s['n_gpu_layers']}")
+    if s.get("tensor_split"):
+        parts.append("ts=" + ",".join(f"{x:g}" for x in s["tensor_split"]))
+    parts += [f"ctx={s['n_ctx']}", f"kv={s['type_k']}", f"fa={s['flash_attn']}", f"t={s['n_threads'] or 'default'}",
+              f"ub={s['n_ubatch']}"]
+    if s.get("tensor_overrides"):
+        parts.append(f"ot={len(s['tensor_overrides'])}")
+    if not s.get("offload_kqv", True):
+        parts.append("nkvo")
+    return " ".join(parts)
+
+
+class _Progress:
+    """Live progress on a terminal: trial n of N, the settings, the outcome, the best so far, time left."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __call__(self, e: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        kind = e["kind"]
+        out = lambda text: click.echo(text, err=True)  # noqa: E731  (stdout stays for results)
+        if kind == "start":
+            out(f"study {e['study']} ({'resumed: ' + str(e['done']) + ' candidates known' if e['resumed'] else 'new'})")
+            out(e["space"])
+            budget = f"{e['trials']} trials" if e["trials"] else f"{e['time_budget']:.0f} s"
+            out(f"grid of {e['grid']} candidates; budget {budget}")
+        elif kind == "rejected":
+            out(f"variant rejected: {e['path']}: {e['reason']}")
+        elif kind == "launch":
+            total = f"/{e['total']}" if e.get("total") else ""
+            self.current = f"[{e['n']}{total}] {_summary(e['settings'])}"
+        elif kind == "result":
+            value = f"{e['value']:.1f} t/s" if e.get("value") is not None else e["message"][:120]
+            best = f"best {e['best']:.1f}" if e.get("best") is not None else "no result yet"
+            left = f", {e['time_left']:.0f} s left" if e.get("time_left") is not None else ""
+            layers = e.get("layers") or (None, None)
+            offload = f" layers {layers[0]}/{layers[1]}" if layers[0] is not None and layers[0] > 0 else ""
+            out(f"{getattr(self, 'current', '')} -> {e['outcome']}{offload}: {value} ({best}{left})")
+        elif kind == "pruned":
+            out(f"      skipped {_summary(e['settings'])}: {e['reason']}")
+        elif kind == "remeasure":
+            out(f"re-measuring leading candidate {e['rank']} of {e['of']} (trial {e['number']}) with {e['repetitions']} repetitions")
+        elif kind == "interrupted":
+            out("interrupted: the running trial was stopped; writing the best profile so far")
+        elif kind == "exhausted":
+            out("every candidate the search proposes has been tried: stopping early")
+
+
+@cli.command("tune")
+@click.argument("model", type=click.Path(), required=False)
+@click.option("--demo", is_flag=True, help="Tune a built-in demo model (made here, two quantizations; no GPU or download needed).")
+@click.option("--variant", "variants", multiple=True, type=click.Path(),
+              help="The same model in another quantization (repeatable; a folder of GGUF files works too).")
+@click.option("--trials", type=int, default=None, help="Trials to launch (default 20, or unlimited with --time-budget).")
+@click.option("--time-budget", type=float, default=None, help="Stop starting trials after this many seconds.")
+@click.option("--objective", type=click.Choice(["tg", "pp", "mixed"]), default="tg", show_default=True,
+              help="tg: generation speed; pp: prompt speed; mixed: one request of --n-prompt + --n-gen tokens.")
+@click.option("--min-ctx", type=int, default=4096, show_default=True, help="The context you need: never tuned below.")
+@click.option("--depth", type=int, default=0, show_default=True, help="Measure at this many tokens already in context.")
+@click.option("--n-prompt", type=int, default=512, show_default=True, help="Prompt tokens per pp sample.")
+@click.option("--n-gen", type=int, default=128, show_default=True, help="Generated tokens per tg sample.")
+@click.option("--repetitions", "-r", type=int, default=3, show_default=True, help="Samples per trial.")
+@click.option("--vram-margin", type=int, default=512, show_default=True, help="MiB kept free on each device.")
+@click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... used as devices.")
+@click.option("--storage", default=None, help="Optuna storage URL (default: SQLite in the data folder; PostgreSQL for a team).")
+@click.option("--study", "study_name", default=None, help="Study name (default: from machine and model fingerprints).")
+@click.option("--out", type=click.Path(), default=None, help="Write the profile here (default: the data folder's profiles).")
+@click.option("--trial-timeout", type=float, default=300, show_default=True, help="Kill a trial after this many seconds.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress; print only the profile path.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress).")
+def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
+             objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int,
+             rpc: str | None, storage: str | None, study_name: str | None, out: str | None, trial_timeout: float,
+             seed: int, quiet: bool, as_json: bool) -> None:
+    """Find the fastest settings for MODEL on this machine and save them as a profile.
+
+    Running the same command again resumes the study; Ctrl-C stops the running trial and still
+    writes the best profile so far.
+
+    \b
+    Examples:
+      offload-tuner tune --demo
+      offload-tuner tune model-Q4_K_M.gguf --variant model-Q5_K_M.gguf --min-ctx 8192 --trials 30
+      offload-tuner tune model.gguf --variant ./quants/ --objective mixed --time-budget 1800
+    """
+    from .study import tune
+
+    if demo:
+        if model:
+            raise click.UsageError("give MODEL or --demo, not both")
+        from .testing import demo_models
+
+        if not (quiet or as_json):
+            click.echo("making the demo model (random weights, real llama.cpp quantizations)...", err=True)
+        made = demo_models()
+        model, variants = str(made[0]), tuple(str(p) for p in made[1:]) + variants
+        trials = trials or 12
+        if min_ctx == 4096:
+            min_ctx = 1024
+        n_prompt, n_gen = min(n_prompt, 256), min(n_gen, 64)
+    if not model:
+        raise click.UsageError("give a MODEL (a .gguf file), or --demo")
+    result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
+                  min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
+                  vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
+                  rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
+                  on_event=_Progress(quiet or as_json))
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+        return
+    if quiet:
+        click.echo(str(result.profile_path))
+        return
+    best = result.best
+    tg, pp = best.get("tg") or {}, best.get("pp") or {}
+    click.echo(f"best: {_summary(best['settings'])}")
+    if tg:
+        click.echo(f"  tg {tg['median']:.1f} t/s (95% CI {tg['ci_low']:.1f}-{tg['ci_high']:.1f}, {len(tg['samples'])} samples)")
+    if pp:
+        click.echo(f"  pp {pp['median']:.1f} t/s (95% CI {pp['ci_low']:.1f}-{pp['ci_high']:.1f})")
+    if result.runner_up:
+        click.echo(f"  runner-up within noise: {_summary(result.runner_up['settings'])}")
+    c = result.counts
+    click.echo(f"trials: {c['run']} run, {c['pruned']} skipped by prediction or learning, {c['oom']} out of memory, {c['failed']} failed")
+    click.echo(f"profile: {result.profile_path}")
+    if result.interrupted:
+        click.echo("interrupted: run the same command again to resume the study", err=True)
+    click.echo(f"llama-server flags: {result.profile.settings.command_line('llama-server')}")
+
+
 @cli.command("rpc-serve")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind. The RPC protocol has no authentication: keep it on loopback or a trusted network.")

@@ -129,9 +129,14 @@ class TrialResult:
 
 
 class _Sampler(threading.Thread):
-    """Samples the worker's RSS (psutil) and, with NVML, its memory on each GPU."""
+    """Samples the worker's RSS (psutil) and, with NVML, its memory on each GPU.
 
-    def __init__(self, pid: int, interval: float = 0.05) -> None:
+    Four times a second, not more: every wake-up of this process can preempt one of llama.cpp's
+    compute threads, and on a machine with as many threads as cores that stalls them all. The
+    exact host peak comes from the worker itself (VmHWM); this sampler is for GPU memory.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
         self.peak_rss = 0

@@ -154,6 +154,7 @@ class Tuner:
         n_gen: int = 128,
         repetitions: int = 3,
         final_repetitions: int = 8,
+        final_candidates: int = 3,
         vram_margin: int = 512 * MiB,
         storage: str | None = None,
         study_name: str | None = None,
@@ -179,6 +180,7 @@ class Tuner:
         if depth + max(n_prompt, n_gen) > min_ctx:
             raise SettingsError("min_ctx", f"--min-ctx {min_ctx} is smaller than --depth {depth} + {max(n_prompt, n_gen)} benchmark tokens")
         self.final_repetitions = max(final_repetitions, repetitions)
+        self.final_candidates = max(1, final_candidates)
         self.margin = vram_margin
         self.out = Path(out) if out else None
         self.rpc_servers = tuple(rpc_servers)
@@ -425,48 +427,45 @@ class Tuner:
             raise StudyError("no candidate ran successfully, so there is no profile to write.\n  " + "\n  ".join(failures)
                              + "\nRead the reasons above: try a smaller --min-ctx, a smaller quantization (--variant), or free memory.")
         ranked = sorted(complete, key=lambda t: t.value, reverse=True)
-        best_trial = ranked[0]
-        best_settings = Settings.from_dict(best_trial.user_attrs["settings"])
-        best = {"number": best_trial.number, "settings": best_settings, "pp": best_trial.user_attrs.get("pp"),
-                "tg": best_trial.user_attrs.get("tg"), "value": best_trial.value, "remeasured": False,
-                "actual": best_trial.user_attrs.get("actual", {}), "predicted": best_trial.user_attrs.get("predicted", {}),
-                "layers": best_trial.user_attrs.get("layers", [None, None])}
-        runner_up = None
+        stats_key = "pp" if self.objective == "pp" else "tg"
+
+        def entry(t: Any, result: TrialResult | None = None) -> dict[str, Any]:
+            e = {"number": t.number, "settings": Settings.from_dict(t.user_attrs["settings"]),
+                 "pp": t.user_attrs.get("pp"), "tg": t.user_attrs.get("tg"), "value": t.value, "remeasured": False,
+                 "actual": t.user_attrs.get("actual", {}), "predicted": t.user_attrs.get("predicted", {}),
+                 "layers": t.user_attrs.get("layers", [None, None])}
+            if result is not None and result.ok:
+                e.update(pp=result.pp.to_dict() if result.pp else None, tg=result.tg.to_dict() if result.tg else None,
+                         value=score(self.objective, result.pp, result.tg, final), remeasured=True,
+                         actual=_actual_memory(result), layers=[result.load.layers_offloaded, result.load.layers_total])
+            return e
+
         final = BenchSpec(n_prompt=self.bench.n_prompt, n_gen=self.bench.n_gen, depth=self.bench.depth,
                           repetitions=self.final_repetitions)
+        # A first measurement of a few repetitions is noisy, and the top of a noisy ranking is
+        # biased upwards. The leading candidates are measured again, with more repetitions, and
+        # the winner is chosen on those figures.
+        contenders = [entry(t) for t in ranked[: self.final_candidates]]
         if not interrupted:
-            self.emit({"kind": "remeasure", "number": best_trial.number, "repetitions": self.final_repetitions})
             try:
-                again = engine.run(best_settings, final, trial_id=f"final-{best_trial.number}")
-                if again.ok:
-                    best.update(pp=again.pp.to_dict() if again.pp else None, tg=again.tg.to_dict() if again.tg else None,
-                                value=score(self.objective, again.pp, again.tg, final), remeasured=True,
-                                actual=_actual_memory(again), layers=[again.load.layers_offloaded, again.load.layers_total])
-                # the runner-up, if its first measurement is within noise of the winner's
-                if len(ranked) > 1:
-                    second = ranked[1]
-                    stats_key = {"tg": "tg", "pp": "pp"}.get(self.objective, "tg")
-                    win = best.get(stats_key) or {}
-                    sec = second.user_attrs.get(stats_key) or {}
-                    if win and sec and sec.get("ci_high", 0) >= win.get("ci_low", math.inf):
-                        s2 = Settings.from_dict(second.user_attrs["settings"])
-                        again2 = engine.run(s2, final, trial_id=f"final-{second.number}")
-                        if again2.ok:
-                            v2 = score(self.objective, again2.pp, again2.tg, final)
-                            st2 = (again2.tg if stats_key == "tg" else again2.pp)
-                            within = st2 is not None and st2.ci_high >= win.get("ci_low", math.inf)
-                            if v2 > best["value"]:
-                                # the re-measure reversed the order: the runner-up is the winner
-                                runner_up = {"settings": best["settings"].to_dict(), "pp": best["pp"], "tg": best["tg"]}
-                                best.update(number=second.number, settings=s2, pp=again2.pp.to_dict() if again2.pp else None,
-                                            tg=again2.tg.to_dict() if again2.tg else None, value=v2,
-                                            actual=_actual_memory(again2), predicted=second.user_attrs.get("predicted", {}),
-                                            layers=[again2.load.layers_offloaded, again2.load.layers_total])
-                            elif within:
-                                runner_up = {"settings": s2.to_dict(), "pp": again2.pp.to_dict() if again2.pp else None,
-                                             "tg": again2.tg.to_dict() if again2.tg else None}
+                for i, c in enumerate(contenders):
+                    self.emit({"kind": "remeasure", "number": c["number"], "repetitions": self.final_repetitions,
+                               "rank": i + 1, "of": len(contenders)})
+                    again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
+                    if again.ok:
+                        contenders[i] = entry(ranked[i], again)
             except KeyboardInterrupt:
                 interrupted = True
+        measured = [c for c in contenders if c["remeasured"]] or contenders
+        measured.sort(key=lambda c: c["value"], reverse=True)
+        best = measured[0]
+        runner_up = None
+        if len(measured) > 1:
+            second = measured[1]
+            win, sec = best.get(stats_key) or {}, second.get(stats_key) or {}
+            # within noise: the runner-up's interval reaches the winner's
+            if win and sec and sec.get("ci_high", 0) >= win.get("ci_low", math.inf):
+                runner_up = {"settings": second["settings"].to_dict(), "pp": second["pp"], "tg": second["tg"]}
         profile = self._profile(best, runner_up, counts)
         path = profile.write(self.out) if profile is not None else None
         best_out = {k: (v.to_dict() if isinstance(v, Settings) else v) for k, v in best.items()}

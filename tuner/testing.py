@@ -83,7 +83,7 @@ class ModelShape:
 # small enough that a tune over two quantizations finishes in minutes. Widths are multiples of
 # 256 so the k-quants (Q4_K_M...) apply to every matrix.
 DEMO_SHAPE = ModelShape(
-    n_layer=8, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_vocab=4096, n_ctx_train=8192, name="offload-tuner demo"
+    n_layer=8, n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_vocab=8192, n_ctx_train=8192, name="offload-tuner demo"
 )
 
 
