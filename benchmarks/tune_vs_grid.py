@@ -7,7 +7,7 @@ Makes the demo model in two quantizations (Q8_0, Q4_K_M), then, on this machine:
 
 A single measurement on a busy machine is noisy (we saw 10% between identical trials on 2 shared
 cores), and the best of 96 noisy figures is biased upwards. So the comparison that decides is a
-head-to-head at the end: the grid's five best and the tuner's winner are measured again, in
+head-to-head at the end: the grid's three best and the tuner's winner are measured again, in
 alternating rounds, with many repetitions each; the grid's best is the best of those. It prints
 the raw figures too, the ratio, and the trial counts. Target: the winner reaches at least 0.97 x
 the grid's best tg with at most a quarter of the grid's trials.
@@ -36,8 +36,9 @@ def main() -> int:
     parser.add_argument("--n-gen", type=int, default=128)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=4, help="head-to-head rounds (each: every contender once)")
-    parser.add_argument("--top", type=int, default=5, help="grid candidates in the head-to-head")
+    parser.add_argument("--rounds", type=int, default=10, help="head-to-head rounds (each: every contender once)")
+    parser.add_argument("--h2h-repetitions", type=int, default=2, help="repetitions per contender per round")
+    parser.add_argument("--top", type=int, default=3, help="grid candidates in the head-to-head")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +95,7 @@ def main() -> int:
         top = sorted(measured, key=measured.get, reverse=True)[: args.top]
         contenders = list(dict.fromkeys(top + [winner_key]))
         samples: dict[str, list[float]] = {k: [] for k in contenders}
-        final = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions)
+        final = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.h2h_repetitions)
         with TrialRunner() as runner:
             for _ in range(args.rounds):
                 for key in contenders:
@@ -118,7 +119,7 @@ def main() -> int:
     print(f"        winner's tg as the grid measured it: {winner_in_grid:.1f} t/s (ratio {winner_in_grid / grid_best:.3f} to the grid's single-shot best)")
     print(f"        winner's tg re-measured by the tuner: {result.best['tg']['median']:.1f} t/s "
           f"(95% CI {result.best['tg']['ci_low']:.1f}-{result.best['tg']['ci_high']:.1f})")
-    print(f"head-to-head ({args.rounds} rounds x {args.repetitions} repetitions, medians):")
+    print(f"head-to-head ({args.rounds} alternating rounds x {args.h2h_repetitions} repetitions, medians):")
     for key in contenders:
         tag = " <- tuner's winner" if key == winner_key else (" <- grid's best here" if key == h2h_best_key else "")
         d = json.loads(key)

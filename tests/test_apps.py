@@ -17,7 +17,7 @@ import pytest
 
 from tests.test_profile import GiB, MiB, make_gguf, make_machine, profile_dict, write_profile
 from tuner.apps import Llama, check_profile, load_profile
-from tuner.errors import NoMatchingProfileError, ProfileError, ProfileMismatchError
+from tuner.errors import NoMatchingProfileError, ProfileMismatchError
 from tuner.fingerprint import model_fingerprint
 from tuner.hardware import GPUProcess, LlamaBuild
 from tuner.profile import (
@@ -382,51 +382,52 @@ def test_llama_without_gpu_offload_in_the_build_is_loud(model, folder, fake_llam
     assert len(fake_llama_cpp.calls) == 1
 
 
-def test_llama_applies_tensor_overrides_through_tuner_overrides(model, folder, fake_llama_cpp, monkeypatch):
-    here = make_machine()
-    document = profile_dict(here, model_fingerprint(model), tensor_overrides=[r"blk\.(0|1)\.ffn_.*"])
-    path = write_profile(folder, document)
-    applied = []
-
-    class Applied:
-        def __init__(self, patterns):
-            self.patterns = patterns
-
-        def __enter__(self):
-            applied.append(("enter", self.patterns))
-
-        def __exit__(self, *exc):
-            applied.append(("exit", self.patterns))
-
-    overrides = types.ModuleType("tuner.overrides")
-    overrides.tensor_overrides_applied = Applied
-    monkeypatch.setitem(sys.modules, "tuner.overrides", overrides)
-    Llama(model, search_path=[folder], machine=here)
-    assert applied == [("enter", (r"blk\.(0|1)\.ffn_.*",)), ("exit", (r"blk\.(0|1)\.ffn_.*",))]
-    assert len(fake_llama_cpp.calls) == 1
-
-    monkeypatch.setitem(sys.modules, "tuner.overrides", None)  # as if the module did not exist
-    with pytest.raises(ProfileError) as info:
-        Llama(model, search_path=[folder], machine=here)
-    assert str(info.value) == (
-        rf"profile {path.stem} keeps tensors on the CPU (blk\.(0|1)\.ffn_.*), which tuner.Llama cannot apply in "
-        "this version (tuner.overrides is missing); run it with llama-server: "
-        f"`offload-tuner profile args {path.stem} --for llama-server`"
-    )
+_REAL_APP = r"""
+import json, sys, warnings
+from tuner.apps import Llama
+from tuner.hardware import probe
+warnings.simplefilter("ignore")
+llm = Llama(sys.argv[1], profile=sys.argv[2], machine=probe(llama=False, rpc_servers=tuple(json.loads(sys.argv[3]))), verbose=True)
+out = llm("hello", max_tokens=4, temperature=0.0)
+print(json.dumps({"tokens": out["usage"]["completion_tokens"]}))
+"""
 
 
-def test_llama_registers_rpc_servers_through_tuner_rpc(model, folder, fake_llama_cpp, monkeypatch):
-    here = make_machine()
-    write_profile(folder, profile_dict(here, model_fingerprint(model), rpc_servers=["127.0.0.1:50052"]))
-    registered = []
-    rpc = types.ModuleType("tuner.rpc")
-    rpc.register_servers = registered.append
-    monkeypatch.setitem(sys.modules, "tuner.rpc", rpc)
-    Llama(model, search_path=[folder], machine=here)
-    assert registered == [("127.0.0.1:50052",)]
-    monkeypatch.setitem(sys.modules, "tuner.rpc", None)
-    with pytest.raises(ProfileError, match=r"uses RPC servers \(127.0.0.1:50052\), which tuner.Llama cannot register"):
-        Llama(model, search_path=[folder], machine=here)
+def _real_profile(folder: Path, model: Path, **settings) -> Path:
+    from tuner.hardware import probe
+
+    here = probe(llama=False)
+    document = profile_dict(here, model_fingerprint(model), **settings)
+    document["settings"].update(n_gpu_layers=settings.get("n_gpu_layers", 0), n_ctx=512, n_batch=512, n_ubatch=512,
+                                n_threads=2, n_threads_batch=2, flash_attn="on", tensor_split=None)
+    document["min_ctx"] = 512
+    document["memory"] = {"predicted": {"CPU": {"weights": 1, "kv": 1, "compute": 1, "total": 3}}, "actual": {}}
+    return write_profile(folder, document)
+
+
+def _run_app(model: Path, profile: Path, servers: list[str] = ()) -> subprocess.CompletedProcess:
+    import json as _json
+
+    return subprocess.run([sys.executable, "-c", _REAL_APP, str(model), str(profile), _json.dumps(list(servers))],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_llama_applies_tensor_overrides_in_the_real_llama_cpp(models, tmp_path):
+    profile = _real_profile(tmp_path / "profiles", models["q8_0"], tensor_overrides=[r"blk\.(0|1)\.ffn_up"])
+    proc = _run_app(models["q8_0"], profile)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor blk.0.ffn_up.weight" in proc.stderr and "buffer type overridden to CPU" in proc.stderr
+    assert "blk.2.ffn_up.weight (" not in proc.stderr
+    assert '"tokens": ' in proc.stdout
+
+
+def test_llama_registers_rpc_servers_and_offloads_to_them(models, tmp_path, rpc_servers):
+    (server,) = rpc_servers(1)
+    profile = _real_profile(tmp_path / "profiles", models["q8_0"], rpc_servers=[server.endpoint], n_gpu_layers=99)
+    proc = _run_app(models["q8_0"], profile, [server.endpoint])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"RPC0[{server.endpoint}] model buffer size" in proc.stderr
+    assert "offloaded 5/5 layers to GPU" in proc.stderr
 
 
 def test_the_recorded_model_path_is_never_used(model, folder):

@@ -12,14 +12,9 @@ llama-cpp-python sdist in the temp folder) or a C++ compiler are missing.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import shlex
-import shutil
 import subprocess
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,7 +22,8 @@ from click.testing import CliRunner
 
 from tests.test_profile import GiB, MiB, make_machine, profile_dict
 from tuner.cli_profile import profile_group
-from tuner.errors import ProfileError
+from tuner.errors import ProfileError, TunerError
+from tuner.testing import build_against_llama_cpp, llama_cpp_env, llama_cpp_source
 from tuner.exports import FORMATS, export_args, llama_server_env, tool_args
 from tuner.profile import Profile
 
@@ -153,41 +149,22 @@ int main(int argc, char ** argv) {
 """
 
 
-def _llama_cpp_source() -> Path | None:
-    candidates = [os.environ.get("LLAMA_CPP_SOURCE", "")]
-    candidates += sorted(glob.glob(os.path.join(tempfile.gettempdir(), "llama_cpp_python-*", "vendor", "llama.cpp")))
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "common" / "arg.h").is_file():
-            return Path(candidate)
-    return None
-
-
 @pytest.fixture(scope="session")
 def llama_parsers(tmp_path_factory):
     """(harness, llama-bench, environment) built from llama.cpp's sources, or a skip saying what is missing."""
-    source = _llama_cpp_source()
-    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
-    compiler = shutil.which("g++") or shutil.which("c++")
+    source = llama_cpp_source()
     if source is None:
         pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
-    if not (libdir / "libllama-common.so").exists() or compiler is None:
-        pytest.skip(f"needs a C++ compiler and {libdir / 'libllama-common.so'} (installed by llama-cpp-python)")
     out = tmp_path_factory.mktemp("llama-parsers")
     (out / "harness.cpp").write_text(HARNESS)
-    include = [f"-I{source / d}" for d in ("common", "include", "ggml/include", "vendor")]
-    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{libdir}"]
     bench_dir = source / "tools" / "llama-bench"
-    for target, sources in (("harness", [out / "harness.cpp"]), ("llama-bench", [bench_dir / "llama-bench.cpp", bench_dir / "main.cpp"])):
-        proc = subprocess.run(
-            [compiler, "-std=c++17", "-O0", *include, f"-I{bench_dir}", *map(str, sources), "-o", str(out / target), *link],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            pytest.skip(f"could not build {target} against {source}: {proc.stderr[-2000:]}")
-    # libllama-common's own dependencies are found through the library path, not its rpath.
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    env = {k: v for k, v in env.items() if not k.startswith("LLAMA_ARG_")}
-    return out / "harness", out / "llama-bench", env
+    try:
+        harness = build_against_llama_cpp("harness", [out / "harness.cpp"], out, source=source, optimize="-O0")
+        bench = build_against_llama_cpp("llama-bench", [bench_dir / "llama-bench.cpp", bench_dir / "main.cpp"], out,
+                                        source=source, optimize="-O0")
+    except TunerError as exc:
+        pytest.skip(str(exc))
+    return harness, bench, llama_cpp_env()
 
 
 def _parsed(harness: Path, tool: str, args: list[str], env: dict) -> dict[str, str]:

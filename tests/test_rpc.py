@@ -23,7 +23,7 @@ from tuner.hardware import probe
 from tuner.model import inspect
 from tuner.outcome import Outcome
 from tuner.rpc import free_port
-from tuner.runner import BenchSpec, TrialRunner, run_trial
+from tuner.runner import BenchSpec, run_trial
 from tuner.settings import Settings
 
 QUICK = BenchSpec(n_prompt=64, n_gen=4, repetitions=1)

@@ -96,13 +96,26 @@ def test_tensor_overrides_keep_those_tensors_on_the_cpu(models):
 
 
 def test_a_trial_that_runs_too_long_is_killed_at_its_limit(models):
+    seen: list[int] = []
     with TrialRunner(timeout_s=1.5) as runner:
+        def watch():
+            deadline = time.monotonic() + 10
+            while not seen and time.monotonic() < deadline:
+                if runner.worker_pid:
+                    seen.append(runner.worker_pid)
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         started = time.monotonic()
         result = runner.run(settings(models["f16"], n_ctx=4096), BenchSpec(n_prompt=4000, n_gen=1000, repetitions=50))
         elapsed = time.monotonic() - started
+        watcher.join()
     assert result.outcome is Outcome.TIMEOUT
     assert result.message == "killed after 1.5 s without finishing (the whole process group)"
     assert elapsed < 15
+    # the worker led its own process group, and nothing of that group is left
+    assert seen and _no_process_in_group(seen[0])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSEGV, signal.SIGABRT])
@@ -121,7 +134,6 @@ def test_a_worker_killed_by_a_signal_is_a_crash(models, sig):
         killer.start()
         result = runner.run(settings(models["f16"], n_ctx=4096), BenchSpec(n_prompt=4000, n_gen=500, repetitions=20))
         killer.join()
-        pgid = result.returncode
     assert result.outcome is Outcome.CRASH
     assert result.signal == sig.name and sig.name in result.message
     # the caller lives on, and the next trial gets a fresh worker

@@ -41,11 +41,17 @@ _EXPORTS = {
     "TrialResult": "runner",
     "run_trial": "runner",
     "TrialRunner": "runner",
+    "BenchSpec": "runner",
     # tune
     "tune": "study",
+    "Tuner": "study",
+    "TuneResult": "study",
     # profiles and apps
     "Profile": "profile",
+    "read_profile": "profile",
+    "list_profiles": "profile",
     "load_profile": "apps",
+    "check_profile": "apps",
     "Llama": "apps",
 }
 

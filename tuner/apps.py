@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .errors import NoMatchingProfileError, ProfileError, ProfileMismatchError
+from .errors import NoMatchingProfileError, ProfileMismatchError
 from .fingerprint import model_fingerprint
 from .profile import (
     LlamaBuildWarning,
@@ -529,24 +529,12 @@ def Llama(
     settings = profile.settings
     applied: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if settings.tensor_overrides:
-        try:
-            from .overrides import tensor_overrides_applied
-        except ImportError:
-            raise ProfileError(
-                f"profile {profile.name} keeps tensors on the CPU ({', '.join(settings.tensor_overrides)}), which "
-                "tuner.Llama cannot apply in this version (tuner.overrides is missing); run it with llama-server: "
-                f"`offload-tuner profile args {profile.name} --for llama-server`"
-            ) from None
+        from .overrides import tensor_overrides_applied
+
         applied = tensor_overrides_applied(settings.tensor_overrides)
     if settings.rpc_servers:
-        try:
-            from .rpc import register_servers
-        except ImportError:
-            raise ProfileError(
-                f"profile {profile.name} uses RPC servers ({', '.join(settings.rpc_servers)}), which tuner.Llama "
-                "cannot register in this version (tuner.rpc is missing); run it with llama-server: "
-                f"`offload-tuner profile args {profile.name} --for llama-server`"
-            ) from None
+        from .rpc import register_servers
+
         register_servers(settings.rpc_servers)
 
     import llama_cpp

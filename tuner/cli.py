@@ -333,7 +333,8 @@ class _Progress:
         kind = e["kind"]
         out = lambda text: click.echo(text, err=True)  # noqa: E731  (stdout stays for results)
         if kind == "start":
-            out(f"study {e['study']} ({'resumed: ' + str(e['done']) + ' candidates known' if e['resumed'] else 'new'})")
+            out(f"study {e['study']} ({'resumed: ' + str(e['done']) + ' candidates known' if e['resumed'] else 'new'}) "
+                f"in {e['storage']}")
             out(e["space"])
             budget = f"{e['trials']} trials" if e["trials"] else f"{e['time_budget']:.0f} s"
             out(f"grid of {e['grid']} candidates; budget {budget}")
@@ -352,7 +353,8 @@ class _Progress:
         elif kind == "pruned":
             out(f"      skipped {_summary(e['settings'])}: {e['reason']}")
         elif kind == "remeasure":
-            out(f"re-measuring leading candidate {e['rank']} of {e['of']} (trial {e['number']}) with {e['repetitions']} repetitions")
+            out(f"re-measuring the {len(e['candidates'])} leading candidates in {e['rounds']} alternating rounds, "
+                f"{e['repetitions']} repetitions each")
         elif kind == "interrupted":
             out("interrupted: the running trial was stopped; writing the best profile so far")
         elif kind == "exhausted":

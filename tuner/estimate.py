@@ -21,9 +21,8 @@ against the sizes llama.cpp prints (see the closing note of the foundation issue
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from .errors import SettingsError

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EmptyModelError, ModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
+from .errors import EmptyModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
 from .fingerprint import check_path, header_info, model_fingerprint, split_parts
 
 # ggml type -> (block size, bytes per block): ggml/src/ggml.c type_traits. Used for the KV cache.

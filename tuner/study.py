@@ -15,6 +15,7 @@ Ctrl-C kills the running trial and still writes the best profile so far.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -155,6 +156,7 @@ class Tuner:
         repetitions: int = 3,
         final_repetitions: int = 8,
         final_candidates: int = 3,
+        final_rounds: int = 3,
         vram_margin: int = 512 * MiB,
         storage: str | None = None,
         study_name: str | None = None,
@@ -165,6 +167,7 @@ class Tuner:
         trial_timeout: float = 300.0,
         seed: int = 0,
         on_event: Callable[[Event], None] | None = None,
+        space_overrides: dict[str, tuple] | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             raise SettingsError("objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -181,6 +184,7 @@ class Tuner:
             raise SettingsError("min_ctx", f"--min-ctx {min_ctx} is smaller than --depth {depth} + {max(n_prompt, n_gen)} benchmark tokens")
         self.final_repetitions = max(final_repetitions, repetitions)
         self.final_candidates = max(1, final_candidates)
+        self.final_rounds = max(1, final_rounds)
         self.margin = vram_margin
         self.out = Path(out) if out else None
         self.rpc_servers = tuple(rpc_servers)
@@ -214,6 +218,14 @@ class Tuner:
             logical_cores=self.machine.logical_cores, min_ctx=min_ctx, n_prompt=n_prompt, rpc_servers=self.rpc_servers,
             unified_memory=self.machine.unified_memory,
         )
+        if space_overrides:
+            # fix or narrow dimensions (e.g. {"kv_types": ("f16",)}): a study of fewer questions
+            import dataclasses
+
+            unknown = set(space_overrides) - {f.name for f in dataclasses.fields(SearchSpace)}
+            if unknown:
+                raise SettingsError("space_overrides", f"unknown dimension(s): {', '.join(sorted(unknown))}")
+            self.space = dataclasses.replace(self.space, **{k: tuple(v) for k, v in space_overrides.items()})
         self.free = {d.name: d.free for d in self.devices}
         self.free[CPU] = self.machine.ram_available
         self.storage = storage or f"sqlite:///{studies_dir() / 'studies.db'}"
@@ -300,7 +312,7 @@ class Tuner:
         if not resumed:
             for s in self.seeds():
                 study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True}, skip_if_exists=True)
-        self.emit({"kind": "start", "study": self.study_name, "storage": self.storage, "resumed": resumed,
+        self.emit({"kind": "start", "study": self.study_name, "storage": _redact(self.storage), "resumed": resumed,
                    "done": len(done), "space": self.space.describe(), "grid": self.space.grid_size(),
                    "variants": list(self.models), "rejected": self.rejected, "trials": self.trials,
                    "time_budget": self.time_budget})
@@ -440,22 +452,35 @@ class Tuner:
                          actual=_actual_memory(result), layers=[result.load.layers_offloaded, result.load.layers_total])
             return e
 
+        rounds = max(1, min(self.final_rounds, self.final_repetitions))
+        per_round = max(1, math.ceil(self.final_repetitions / rounds))
         final = BenchSpec(n_prompt=self.bench.n_prompt, n_gen=self.bench.n_gen, depth=self.bench.depth,
-                          repetitions=self.final_repetitions)
+                          repetitions=per_round)
         # A first measurement of a few repetitions is noisy, and the top of a noisy ranking is
-        # biased upwards. The leading candidates are measured again, with more repetitions, and
-        # the winner is chosen on those figures.
+        # biased upwards. The leading candidates are measured again with more repetitions, in
+        # alternating rounds (on a shared machine speed drifts over seconds: interleaving gives
+        # each candidate the same conditions), and the winner is chosen on those figures.
         contenders = [entry(t) for t in ranked[: self.final_candidates]]
+        samples: dict[int, dict[str, list[float]]] = {c["number"]: {"pp": [], "tg": []} for c in contenders}
+        last: dict[int, TrialResult] = {}
         if not interrupted:
+            self.emit({"kind": "remeasure", "candidates": [c["number"] for c in contenders], "rounds": rounds,
+                       "repetitions": rounds * per_round})
             try:
-                for i, c in enumerate(contenders):
-                    self.emit({"kind": "remeasure", "number": c["number"], "repetitions": self.final_repetitions,
-                               "rank": i + 1, "of": len(contenders)})
-                    again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
-                    if again.ok:
-                        contenders[i] = entry(ranked[i], again)
+                for _ in range(rounds):
+                    for c in contenders:
+                        again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
+                        if again.ok:
+                            last[c["number"]] = again
+                            samples[c["number"]]["pp"] += list(again.pp.samples) if again.pp else []
+                            samples[c["number"]]["tg"] += list(again.tg.samples) if again.tg else []
             except KeyboardInterrupt:
                 interrupted = True
+        for i, c in enumerate(contenders):
+            got = samples[c["number"]]
+            if c["number"] in last and (got["tg"] or got["pp"]):
+                merged = dataclasses.replace(last[c["number"]], pp=Stats.of(got["pp"]), tg=Stats.of(got["tg"]))
+                contenders[i] = entry(ranked[i], merged)
         measured = [c for c in contenders if c["remeasured"]] or contenders
         measured.sort(key=lambda c: c["value"], reverse=True)
         best = measured[0]

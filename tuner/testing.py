@@ -255,3 +255,53 @@ def demo_models(folder: str | os.PathLike[str] | None = None, quants: tuple[str,
         out.append(target)
     stamp.write_text(wanted)
     return out
+
+
+def llama_cpp_source() -> Path | None:
+    """The llama.cpp sources matching the installed llama-cpp-python: ``LLAMA_CPP_SOURCE``, or an
+    unpacked llama-cpp-python sdist in the temp folder. None if neither is there."""
+    import glob
+    import tempfile
+
+    candidates = [os.environ.get("LLAMA_CPP_SOURCE", "")]
+    candidates += sorted(glob.glob(os.path.join(tempfile.gettempdir(), "llama_cpp_python-*", "vendor", "llama.cpp")))
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "common" / "arg.h").is_file():
+            return Path(candidate)
+    return None
+
+
+def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, source: Path, optimize: str = "-O2") -> Path:
+    """Compile a C++ program (llama-bench, a test harness) against the llama.cpp libraries that
+    llama-cpp-python installed (``libllama``, ``libggml*``, ``libllama-common``).
+
+    Raises ``TunerError`` saying what is missing when a compiler or a library is not there."""
+    import shutil
+    import sysconfig
+
+    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise TunerError("no C++ compiler (g++ or c++) on PATH")
+    if not (libdir / "libllama-common.so").exists():
+        raise TunerError(f"{libdir / 'libllama-common.so'} is missing (llama-cpp-python installs it with llama.cpp's common library)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    include = [f"-I{source / d}" for d in ("common", "include", "ggml/include", "vendor")]
+    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{libdir}"]
+    binary = out_dir / target
+    extra = sorted({f"-I{p.parent}" for p in sources})
+    proc = subprocess.run([compiler, "-std=c++17", optimize, *include, *extra, *map(str, sources), "-o", str(binary), *link],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise TunerError(f"could not build {target} against {source}: {proc.stderr[-2000:]}")
+    return binary
+
+
+def llama_cpp_env() -> dict[str, str]:
+    """Environment for programs built by ``build_against_llama_cpp``: libllama-common's own
+    dependencies are found through the library path, not its rpath."""
+    import sysconfig
+
+    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    return {k: v for k, v in env.items() if not k.startswith("LLAMA_ARG_")}

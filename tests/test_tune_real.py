@@ -1,0 +1,70 @@
+"""The tune loop on the real llama.cpp: a CPU tune end to end, and a tune against a capped RPC
+device that finds where the memory runs out and launches nothing beyond it once it knows."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from tuner.cli import cli
+from tuner.estimate import CPU
+from tuner.profile import Profile
+from tuner.study import Tuner
+from tuner.testing import ModelShape, make_model
+
+MiB = 1 << 20
+
+
+def test_cli_tune_on_the_cpu_writes_a_profile(models, tuner_home):
+    out = CliRunner().invoke(cli, ["tune", str(models["q8_0"]), "--variant", str(models["q4_k_m"]), "--trials", "3",
+                                   "--min-ctx", "512", "--n-prompt", "64", "--n-gen", "16", "-r", "2", "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["trials"]["run"] == 3
+    assert "n_gpu_layers" in data["excluded_dimensions"]  # no GPU here, and it says so
+    profile = Profile.from_dict(json.loads(open(data["profile_path"]).read()))
+    assert profile.measured.tg.median > 0 and len(profile.measured.tg.samples) >= 3
+    assert profile.layers_total == 5 and profile.layers_offloaded == 0
+    assert "CPU" in profile.memory.actual
+    # profile list and show read it
+    listing = CliRunner().invoke(cli, ["profile", "list"])
+    assert listing.exit_code == 0 and profile.name in listing.output
+    shown = CliRunner().invoke(cli, ["profile", "show", data["profile_path"], "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["settings"] == data["profile"]["settings"]
+
+
+def test_tune_finds_where_a_capped_device_runs_out_and_stays_below(tmp_path, rpc_servers, tuner_home):
+    model = make_model(tmp_path / "m.gguf", ModelShape(n_layer=6, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048, n_vocab=4096))
+    (server,) = rpc_servers(1, memory_limits=[40 * MiB])
+    events = []
+    tuner = Tuner(str(model), trials=8, min_ctx=512, n_prompt=64, n_gen=8, repetitions=1, final_repetitions=1,
+                  vram_margin=0, rpc_servers=(server.endpoint,), on_event=events.append,
+                  space_overrides={"kv_types": ("f16",), "flash_attn": ("on",), "threads": (2,), "n_ubatch": (512,),
+                                   "placements": ("none",), "offload_kqv": (True,), "n_ctx": (512,)})
+    assert tuner.space.dimensions() == {"n_gpu_layers": (0, 7)}
+    result = tuner.run()
+    device = f"RPC0[{server.endpoint}]"
+    launched = [e for e in events if e["kind"] == "launch"]
+    outcomes = {e["number"]: e for e in events if e["kind"] == "result"}
+    ok = sorted(l["settings"]["n_gpu_layers"] for l in launched if outcomes[l["number"]]["outcome"] == "ok")
+    oom = sorted(l["settings"]["n_gpu_layers"] for l in launched if outcomes[l["number"]]["outcome"] == "oom")
+    assert ok and oom, (ok, oom)
+    boundary = max(ok)
+    assert boundary < min(oom)  # everything that fit lies below everything that did not
+    # once an OOM is known, nothing needing as much on that device is launched
+    first = next(i for i, l in enumerate(launched) if outcomes[l["number"]]["outcome"] == "oom")
+    need = lambda l: tuner.estimate_for(tuner.space.settings(  # noqa: E731
+        variant=l["settings"]["model_path"], n_gpu_layers=l["settings"]["n_gpu_layers"], n_ctx=512, kv="f16",
+        flash_attn="on", threads=2, n_ubatch=512, n_batch=512)).devices[device].total
+    threshold = need(launched[first])
+    assert all(need(l) < threshold for l in launched[first + 1:])
+    # every value between 0 and the boundary was measured or answered; the one above it failed or was skipped
+    pruned = [e for e in events if e["kind"] == "pruned"]
+    assert all(e["reason"].startswith("learned") for e in pruned)
+    assert set(range(boundary + 1)) <= set(ok) | {0}
+    assert boundary + 1 in set(oom) | {e["settings"]["n_gpu_layers"] for e in pruned}
+    assert result.counts["oom"] == len(oom)
+    # the profile's own trial fit on the device
+    assert result.profile.settings.n_gpu_layers <= boundary
+    assert result.profile.memory.predicted[CPU].total > 0

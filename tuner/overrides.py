@@ -1,0 +1,44 @@
+"""Tensor overrides for llama-cpp-python's high-level ``Llama``, which has no keyword for them.
+
+llama.cpp takes them in ``llama_model_params.tensor_buft_overrides`` (what ``-ot PATTERN=CPU``
+sets). ``Llama`` builds its own params and calls ``llama_model_load_from_file`` inside its
+constructor, so for the duration of the ``with`` block this wraps that call and fills the field in:
+
+    with tensor_overrides_applied([r"blk\\.[0-3]\\.ffn_.*"]):
+        llm = llama_cpp.Llama(model_path, n_gpu_layers=99)
+
+The override array stays referenced for the life of the process: llama.cpp reads it while loading
+and the wrapper cannot know when a model is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Iterator, Sequence
+
+_KEEP: list[Any] = []
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def tensor_overrides_applied(patterns: Sequence[str]) -> Iterator[None]:
+    from llama_cpp import _internals
+
+    from .ggml import OverrideArray
+
+    overrides = OverrideArray(tuple(patterns))
+    _KEEP.append(overrides)
+    module = _internals.llama_cpp  # the module _internals calls llama_model_load_from_file through
+    original = module.llama_model_load_from_file
+
+    def load_with_overrides(path: bytes, params: Any) -> Any:
+        params.tensor_buft_overrides = overrides.address
+        return original(path, params)
+
+    with _LOCK:
+        module.llama_model_load_from_file = load_with_overrides
+        try:
+            yield
+        finally:
+            module.llama_model_load_from_file = original
