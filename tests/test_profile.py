@@ -468,7 +468,7 @@ def test_a_bundle_of_an_unknown_major_version_is_refused(tmp_path):
 def test_every_command_has_help_with_an_example():
     runner = CliRunner()
     assert "Example" in profile_group.help
-    for name, command in profile_group.commands.items():
+    for name, _command in profile_group.commands.items():
         result = runner.invoke(profile_group, [name, "--help"])
         assert result.exit_code == 0
         assert "Example" in result.output, name

@@ -25,22 +25,22 @@ def data_dir() -> Path:
     return path
 
 
-def profiles_dir() -> Path:
-    path = data_dir() / "profiles"
+def _subdir(name: str) -> Path:
+    path = data_dir() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def profiles_dir() -> Path:
+    return _subdir("profiles")
 
 
 def studies_dir() -> Path:
-    path = data_dir() / "studies"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _subdir("studies")
 
 
 def models_dir() -> Path:
-    path = data_dir() / "models"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return _subdir("models")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:

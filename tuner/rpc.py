@@ -23,7 +23,6 @@ import atexit
 import ctypes
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .errors import RPCError
+from .process import cap_address_space, kill_group
 
 MiB = 1 << 20
 _LIVE: set["RPCServer"] = set()
@@ -99,14 +99,8 @@ class RPCServer:
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         _LIVE.discard(self)
-        if proc is None:
-            return
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+        if proc is not None:
+            kill_group(proc)
 
     @property
     def alive(self) -> bool:
@@ -198,14 +192,6 @@ def query_devices(endpoints: Sequence[str], timeout_s: float = 30.0) -> list[dic
 # -- server side ---------------------------------------------------------------------------------
 
 
-def _vm_size() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def serve(host: str, port: int, memory_limit: int | None, threads: int | None) -> None:
     """Run an RPC server for the CPU device until killed (blocks)."""
     from .ggml import GGML_BACKEND_DEVICE_TYPE_CPU, load
@@ -219,12 +205,8 @@ def serve(host: str, port: int, memory_limit: int | None, threads: int | None) -
         raise RPCError("llama.cpp has no CPU device to serve")
     n_threads = threads or max(1, os.cpu_count() or 1)
     if memory_limit:
-        import resource
-
-        # An address-space cap: what is mapped now (interpreter, libraries) plus the limit,
-        # which covers the buffers clients allocate and the compute threads' stacks (8 MiB each).
-        cap = _vm_size() + int(memory_limit)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        # the limit covers the buffers clients allocate and the compute threads' stacks (8 MiB each)
+        cap_address_space(int(memory_limit))
     rpc.ggml_backend_rpc_start_server.restype = None
     rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
                                                    ctypes.POINTER(ctypes.c_void_p)]

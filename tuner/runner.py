@@ -17,7 +17,6 @@ import json
 import math
 import os
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
+from .process import kill_group
 from .settings import KV_CACHE_TYPES, Settings
 from .worker import LOG_MARK, MODEL_KEYS
 
@@ -259,12 +259,7 @@ class TrialRunner:
                 proc.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
                 pass
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        kill_group(proc)
         for stream in (proc.stdin, proc.stdout):
             try:
                 stream.close()
@@ -328,14 +323,14 @@ class TrialRunner:
         finally:
             sampler.stop()
         if timed_out:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc)
         returncode = None
         if reply is None:
             try:
-                returncode = proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                returncode = proc.wait()
+                kill_group(proc)
+            returncode = proc.returncode
         segment = self._read_log(offset)
         if reply is not None and not reply.get("reused_model"):
             # keep this load's model lines for later trials that reuse the model

@@ -274,22 +274,12 @@ def main() -> None:
     worker = Worker(reply_fd)
     limit = os.environ.get("OFFLOAD_TUNER_WORKER_MEMORY_LIMIT")
     if limit:
-        # An address-space cap (--memory-limit; the tests of host out-of-memory): what is mapped
-        # now (interpreter, llama.cpp's libraries) plus the limit, which must cover the trial's
-        # weights, KV cache, buffers and its threads' stacks.
-        import resource
+        # --memory-limit, and the tests of host out-of-memory: after llama.cpp's libraries are
+        # mapped, the trial may map this much more (weights, KV cache, buffers, thread stacks).
+        from .process import cap_address_space
 
-        cap = _vm_size() + int(limit)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        cap_address_space(int(limit))
     worker.serve()
-
-
-def _vm_size() -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+"""Child-process helpers shared by the trial worker and the RPC servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL a child's whole process group (it leads its own: ``start_new_session``) and reap it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def vm_size() -> int:
+    """This process's mapped address space in bytes (Linux), 0 where unknown."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def cap_address_space(limit: int) -> int:
+    """Cap this process's address space at what is mapped now plus ``limit`` bytes.
+
+    What is mapped now is the interpreter and llama.cpp's libraries; the limit covers what comes
+    next: weights, KV cache and buffers, and the stacks of threads started later. Returns the cap.
+    """
+    import resource
+
+    cap = vm_size() + int(limit)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return cap
