@@ -98,3 +98,23 @@ def test_estimate_cli_inverse(models):
     result = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "--free", "4", "--margin", "1", "--json"])
     assert result.exit_code == 0, result.output
     assert 0 <= json.loads(result.output)["max_gpu_layers"] <= 5
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "moe"])
+def test_estimate_matches_what_llama_cpp_allocates_on_the_cpu(models, name):
+    from tuner.runner import BenchSpec, TrialRunner
+    from tuner.settings import Settings
+
+    info = inspect(models[name])
+    printed = 0.006 * MiB  # llama.cpp prints MiB with two decimals
+    with TrialRunner() as runner:
+        for ctx, ub, fa in ((512, 128, "on"), (2048, 512, "off"), (1000, 256, "on")):
+            s = Settings(model_path=str(models[name]), n_ctx=ctx, n_batch=512, n_ubatch=ub, flash_attn=fa, n_threads=2,
+                         use_mmap=False)  # with mmap the host buffer is the file's mapped span, not an allocation
+            result = runner.run(s, BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
+            assert result.ok, result.message
+            est = estimate(info, n_gpu_layers=0, n_ctx=ctx, n_ubatch=ub, flash_attn=fa == "on").devices[CPU]
+            weights = sum(result.load.model_buffers.values())
+            assert weights == pytest.approx(est.weights, rel=0.01, abs=printed)
+            assert result.load.kv_buffers["CPU"] == pytest.approx(est.kv, rel=0.01, abs=printed)
+            assert result.load.compute_buffers["CPU"] == pytest.approx(est.compute, rel=0.25)

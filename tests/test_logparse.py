@@ -680,3 +680,19 @@ def test_partial_offload_property() -> None:
     assert LoadReport(layers_offloaded=10, layers_total=33).partial_offload is True
     assert LoadReport(layers_offloaded=0, layers_total=33).partial_offload is False
     assert LoadReport().partial_offload is None
+
+
+def test_parse_log_command_reads_a_file_and_stdin() -> None:
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from tuner.cli import cli
+
+    path = LOGS / "11_early2024-cuda-partial-10of33-mixtral-imatrix.log"
+    result = CliRunner().invoke(cli, ["parse-log", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    data = _json.loads(result.output)
+    assert (data["layers_offloaded"], data["layers_total"]) == (10, 33)
+    text = CliRunner().invoke(cli, ["parse-log", "-"], input=path.read_text(encoding="utf-8", errors="replace"))
+    assert text.exit_code == 0 and "10/33 offloaded (partial offload!)" in text.output
