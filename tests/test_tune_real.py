@@ -1,5 +1,5 @@
-"""The tune loop on the real llama.cpp: a CPU tune end to end, and a tune against a capped RPC
-device that finds where the memory runs out and launches nothing beyond it once it knows."""
+"""The tune loop on the real llama.cpp: a CPU tune end to end, Ctrl-C and resume, and a tune against
+a capped RPC device that finds where the memory runs out and launches nothing beyond it once it knows."""
 
 from __future__ import annotations
 
@@ -68,3 +68,40 @@ def test_tune_finds_where_a_capped_device_runs_out_and_stays_below(tmp_path, rpc
     # the profile's own trial fit on the device
     assert result.profile.settings.n_gpu_layers <= boundary
     assert result.profile.memory.predicted[CPU].total > 0
+
+
+def test_ctrl_c_stops_the_trial_writes_the_best_so_far_and_the_rerun_resumes(models, tuner_home, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    cmd = [sys.executable, "-m", "tuner", "tune", str(models["q8_0"]), "--trials", "40", "--min-ctx", "512",
+           "--n-prompt", "64", "--n-gen", "64", "-r", "3", "--out", str(tmp_path / "p.json")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if line.startswith("[3/40]"):  # two trials done, the third running
+            break
+    workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(lines) + err  # interrupted, as a shell reports Ctrl-C
+    assert "interrupted" in err and "Traceback" not in err
+    assert (tmp_path / "p.json").exists()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in workers)
+    first = Profile.from_dict(json.loads((tmp_path / "p.json").read_text()))
+    assert 2 <= first.trials.run <= 3
+    # the same command again resumes the study
+    again = subprocess.run(cmd[:6] + ["4"] + cmd[7:], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resumed" in again.stderr
+    second = Profile.from_dict(json.loads((tmp_path / "p.json").read_text()))
+    assert second.trials.run == 4

@@ -346,7 +346,7 @@ class _Progress:
         elif kind == "result":
             value = f"{e['value']:.1f} t/s" if e.get("value") is not None else e["message"][:120]
             best = f"best {e['best']:.1f}" if e.get("best") is not None else "no result yet"
-            left = f", {e['time_left']:.0f} s left" if e.get("time_left") is not None else ""
+            left = f", ~{e['time_left']:.0f} s left" if e.get("time_left") is not None else ""
             layers = e.get("layers") or (None, None)
             offload = f" layers {layers[0]}/{layers[1]}" if layers[0] is not None and layers[0] > 0 else ""
             out(f"{getattr(self, 'current', '')} -> {e['outcome']}{offload}: {value} ({best}{left})")
@@ -421,11 +421,10 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
                   vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
                   rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
                   on_event=_Progress(quiet or as_json))
-    if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
-        return
-    if quiet:
-        click.echo(str(result.profile_path))
+    if as_json or quiet:
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str) if as_json else str(result.profile_path))
+        if result.interrupted:
+            sys.exit(130)
         return
     best = result.best
     tg, pp = best.get("tg") or {}, best.get("pp") or {}
@@ -439,9 +438,10 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     c = result.counts
     click.echo(f"trials: {c['run']} run, {c['pruned']} skipped by prediction or learning, {c['oom']} out of memory, {c['failed']} failed")
     click.echo(f"profile: {result.profile_path}")
+    click.echo(f"llama-server flags: {result.profile.settings.command_line('llama-server')}")
     if result.interrupted:
         click.echo("interrupted: run the same command again to resume the study", err=True)
-    click.echo(f"llama-server flags: {result.profile.settings.command_line('llama-server')}")
+        sys.exit(130)
 
 
 @cli.command("rpc-serve")

@@ -397,7 +397,7 @@ class Tuner:
                 self.emit({"kind": "result", "number": trial.number, "outcome": result.outcome.value,
                            "message": result.message, "value": score(self.objective, result.pp, result.tg, self.bench) if result.ok else None,
                            "best": best_value, "elapsed": time.monotonic() - started,
-                           "time_left": (self.time_budget - (time.monotonic() - started)) if self.time_budget else None,
+                           "time_left": self._time_left(started, launched, launched_before),
                            "layers": (result.load.layers_offloaded, result.load.layers_total)})
         except KeyboardInterrupt:
             interrupted = True
@@ -407,6 +407,15 @@ class Tuner:
         finally:
             if self.engine is None:
                 engine.close()
+
+    def _time_left(self, started: float, launched: int, launched_before: int) -> float | None:
+        """Seconds left: of the time budget, or estimated from the trials so far."""
+        elapsed = time.monotonic() - started
+        if self.time_budget is not None:
+            return max(0.0, self.time_budget - elapsed)
+        if self.trials is not None and launched:
+            return elapsed / launched * max(0, self.trials - launched_before - launched)
+        return None
 
     def _record(self, trial: Any, result: TrialResult, est: MemoryEstimate) -> None:
         trial.set_user_attr("outcome", result.outcome.value)
