@@ -455,7 +455,7 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
     """Serve this machine's CPU as a llama.cpp RPC device (a simulated GPU), until Ctrl-C.
 
     \b
-    Try offload without a GPU:
+    Example (offload without a GPU):
       offload-tuner rpc-serve --port 50052 --memory-limit 200 &
       offload-tuner bench model.gguf --rpc 127.0.0.1:50052 -ngl 99
     """
