@@ -255,10 +255,27 @@ try:
         if name not in ("base",) and name not in backends:
             backends.append(name)
     out["backends"] = backends
-    build = None
-    for attr in ("LLAMA_BUILD_NUMBER", "LLAMA_COMMIT"):
-        build = build or getattr(llama_cpp, attr, None)
-    out["llama_cpp_build"] = str(build) if build else None
+    # llama.cpp's own version (llama_version(), 2026) and, where llama.cpp's common library was
+    # installed beside it, the commit and build number it was compiled from.
+    parts = []
+    try:
+        lib = ctypes.CDLL(os.path.join(libdir, "libllama.so"))
+        lib.llama_version.restype = ctypes.c_char_p
+        parts.append(lib.llama_version().decode())
+    except (OSError, AttributeError):
+        pass
+    import sysconfig
+    for common in (os.path.join(libdir, "libllama-common.so"), os.path.join(sysconfig.get_paths()["purelib"], "lib", "libllama-common.so")):
+        if os.path.exists(common):
+            try:
+                c = ctypes.CDLL(common)
+                commit = ctypes.c_char_p.in_dll(c, "LLAMA_COMMIT").value.decode()
+                number = ctypes.c_int.in_dll(c, "LLAMA_BUILD_NUMBER").value
+                parts.append(f"commit {commit}, build {number}")
+            except (OSError, ValueError, AttributeError):
+                pass
+            break
+    out["llama_cpp_build"] = " ".join(parts[:1]) + (f" ({parts[1]})" if len(parts) > 1 else "") if parts else None
 except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
