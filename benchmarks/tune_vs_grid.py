@@ -5,10 +5,11 @@ Makes the demo model in two quantizations (Q8_0, Q4_K_M), then, on this machine:
 1. measures an exhaustive grid over the tuner's own search space (every valid candidate), and
 2. runs the tuner on the same space with a quarter of the grid's trials.
 
-A single measurement on a busy machine is noisy (we saw 10% between identical trials on 2 shared
-cores), and the best of 96 noisy figures is biased upwards. So the comparison that decides is a
-head-to-head at the end: the grid's three best and the tuner's winner are measured again, in
-alternating rounds, with many repetitions each; the grid's best is the best of those. It prints
+A single measurement on a busy machine is noisy (we saw 10-20% between identical trials on 2
+shared cores), and the best of 96 noisy figures is biased upwards. So the comparison that decides
+is a head-to-head at the end: the grid's three best and the tuner's winner, measured side by side
+in one worker (tuner.runner.TrialRunner.run_paired), with an identical twin of the grid's best as
+a control whose gap shows the noise floor; the grid's best is the best of the grid's three. It prints
 the raw figures too, the ratio, and the trial counts. Target: the winner reaches at least 0.97 x
 the grid's best tg with at most a quarter of the grid's trials.
 
@@ -89,24 +90,24 @@ def main() -> int:
         winner_key = json.dumps(result.best["settings"], sort_keys=True)
         winner_in_grid = measured.get(winner_key)
 
-        # 3. head-to-head: the grid's top and the tuner's winner, alternating rounds
+        # 3. head-to-head: the grid's top and the tuner's winner side by side in one worker (all
+        #    loaded, measured in rotating rounds within the same seconds), plus an identical twin
+        #    of the grid's best as a control: the gap between twins is this machine's noise floor
+        import statistics
+
         from tuner.settings import Settings
 
         top = sorted(measured, key=measured.get, reverse=True)[: args.top]
-        contenders = list(dict.fromkeys(top + [winner_key]))
-        samples: dict[str, list[float]] = {k: [] for k in contenders}
+        contenders = list(dict.fromkeys(top + [winner_key])) + [top[0]]
         final = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.h2h_repetitions)
         with TrialRunner() as runner:
-            for _ in range(args.rounds):
-                for key in contenders:
-                    r = runner.run(Settings.from_dict(json.loads(key)), final)
-                    if r.ok:
-                        samples[key].extend(r.tg.samples)
-        import statistics
-
-        h2h = {k: statistics.median(v) for k, v in samples.items() if v}
-        h2h_best_key = max((k for k in h2h if k in top), key=h2h.get)
-        ratio = h2h[winner_key] / h2h[h2h_best_key]
+            results = runner.run_paired([Settings.from_dict(json.loads(k)) for k in contenders], final, rounds=args.rounds)
+        assert all(r.ok for r in results), results[0].message
+        h2h = [statistics.median(r.tg.samples) for r in results]
+        twin_gap = abs(h2h[-1] - h2h[0]) / max(h2h[0], h2h[-1])
+        grid_top = max(h2h[i] for i, k in enumerate(contenders[:-1]) if k in top)
+        winner_h2h = h2h[contenders.index(winner_key)]
+        ratio = winner_h2h / grid_top
 
     print(f"\ngrid:  {len(grid)} trials in {grid_s:.0f} s; best tg {grid_best:.1f} t/s")
     print(f"        best: {json.loads(best_key)['model_path'].rsplit('/', 1)[-1]} "
@@ -119,12 +120,15 @@ def main() -> int:
     print(f"        winner's tg as the grid measured it: {winner_in_grid:.1f} t/s (ratio {winner_in_grid / grid_best:.3f} to the grid's single-shot best)")
     print(f"        winner's tg re-measured by the tuner: {result.best['tg']['median']:.1f} t/s "
           f"(95% CI {result.best['tg']['ci_low']:.1f}-{result.best['tg']['ci_high']:.1f})")
-    print(f"head-to-head ({args.rounds} alternating rounds x {args.h2h_repetitions} repetitions, medians):")
-    for key in contenders:
-        tag = " <- tuner's winner" if key == winner_key else (" <- grid's best here" if key == h2h_best_key else "")
+    print(f"head-to-head, side by side in one worker ({args.rounds} rotating rounds x {args.h2h_repetitions} repetitions, medians):")
+    for i, key in enumerate(contenders):
         d = json.loads(key)
-        print(f"        {h2h.get(key, 0):7.1f} t/s  {d['model_path'].rsplit('/', 1)[-1]} "
+        tag = " <- tuner's winner" if key == winner_key and i < len(contenders) - 1 else ""
+        tag += " <- grid's best here" if h2h[i] == grid_top and i < len(contenders) - 1 else ""
+        tag += " <- identical twin of the grid's single-shot best (control)" if i == len(contenders) - 1 else ""
+        print(f"        {h2h[i]:7.1f} t/s  {d['model_path'].rsplit('/', 1)[-1]} "
               + " ".join(f"{k}={d[k]}" for k in ('n_ctx', 'type_k', 'flash_attn', 'n_threads', 'n_ubatch')) + tag)
+    print(f"noise floor: identical twins differ by {twin_gap * 100:.1f}%")
     print(f"ratio: tuner's winner / grid's best = {ratio:.3f}")
     print(f"trials: tuner {result.counts['run']} / grid {len(grid)} = {result.counts['run'] / len(grid):.3f}")
     ok = ratio >= 0.97 and result.counts["run"] <= len(grid) / 4

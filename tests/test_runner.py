@@ -189,3 +189,28 @@ def test_classification_is_decided_in_one_place():
     assert classify(reply={"status": "ok"}).outcome is Outcome.OK
     assert classify(reply={"status": "load_error", "message": "x"}).outcome is Outcome.LOAD_ERROR
     assert classify(returncode=1).outcome is Outcome.CRASH
+
+
+def test_paired_measurement_runs_candidates_side_by_side(models):
+    candidates = [settings(models["q8_0"]), settings(models["q8_0"], n_ubatch=128, type_k="q8_0", flash_attn="on"),
+                  settings(models["q4_k_m"])]
+    with TrialRunner() as runner:
+        results = runner.run_paired(candidates, BenchSpec(n_prompt=32, n_gen=8, repetitions=2), rounds=3)
+        # the runner is usable for ordinary trials afterwards
+        after = runner.run(settings(models["q8_0"]), QUICK)
+    assert [r.settings for r in results] == candidates
+    for r in results:
+        assert r.ok, r.message
+        assert len(r.tg.samples) == 3 * 2 and len(r.pp.samples) == 3 * 2
+    assert "paired measurement of 3 candidates begins" in results[0].log
+    assert results[0].log.count("context begins") == 3  # three contexts, created once
+    assert after.ok and not after.reused_model
+
+
+def test_paired_measurement_failure_is_classified(models, tmp_path):
+    from tuner.testing import ModelShape, make_model
+
+    big = make_model(tmp_path / "big.gguf", ModelShape(n_layer=4, n_embd=512, n_head=8, n_head_kv=8, n_ff=2048, n_vocab=4096))
+    with TrialRunner(memory_limit=24 * MiB) as runner:
+        results = runner.run_paired([settings(big, use_mmap=False), settings(models["q8_0"])], QUICK, rounds=1)
+    assert all(r.outcome is Outcome.OOM for r in results)

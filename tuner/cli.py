@@ -353,8 +353,11 @@ class _Progress:
         elif kind == "pruned":
             out(f"      skipped {_summary(e['settings'])}: {e['reason']}")
         elif kind == "remeasure":
-            out(f"re-measuring the {len(e['candidates'])} leading candidates in {e['rounds']} alternating rounds, "
-                f"{e['repetitions']} repetitions each")
+            how = "side by side in one worker" if e.get("paired") else "in alternating rounds"
+            out(f"re-measuring the {len(e['candidates'])} leading candidates {how} ({e['rounds']} rounds, "
+                f"{e['repetitions']} repetitions each)")
+        elif kind == "paired_failed":
+            out(f"the side-by-side measurement failed ({e['message'][:200]}); measuring one after another instead")
         elif kind == "interrupted":
             out("interrupted: the running trial was stopped; writing the best profile so far")
         elif kind == "exhausted":

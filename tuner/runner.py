@@ -295,16 +295,75 @@ class TrialRunner:
         key = settings.model_key
         if self._proc is not None and (not self.reuse_model or key != self._model_key or self._proc.poll() is not None):
             self._retire(graceful=True)
+        request = {
+            "trial_id": trial_id if trial_id is not None else self._count,
+            "settings": _wire(settings),
+            "bench": bench.to_dict(),
+        }
+        x = self._exchange(request, started + self.timeout_s)
+        if x.reply is not None and not x.reply.get("reused_model"):
+            # keep this load's model lines for later trials that reuse the model
+            self._model_log = x.segment.split(CONTEXT_MARK, 1)[0] if CONTEXT_MARK in x.segment else x.segment
+        full_log = x.segment if x.reply is None or not x.reply.get("reused_model") else self._model_log + x.segment
+        report = parse_log(full_log)
+        c = self._classify(x, report)
+        if c.outcome is Outcome.OK:
+            self._model_key = key
+        reply = x.reply or {}
+        return TrialResult(
+            outcome=c.outcome,
+            message=c.message,
+            settings=settings,
+            bench=bench,
+            pp=Stats.of(reply.get("pp_samples", [])),
+            tg=Stats.of(reply.get("tg_samples", [])),
+            load=report,
+            log=full_log,
+            peak_rss=max(x.sampler.peak_rss, reply.get("peak_rss") or 0) or None,
+            peak_vram=dict(x.sampler.peak_vram),
+            signal=c.signal_name,
+            returncode=x.returncode,
+            wall_s=time.perf_counter() - started,
+            load_s=float(reply.get("load_s", 0.0)),
+            reused_model=bool(reply.get("reused_model", False)),
+        )
+
+    def run_paired(self, candidates: list[Settings], bench: BenchSpec = BenchSpec(), *, rounds: int = 5) -> list[TrialResult]:
+        """Measure candidates side by side in one worker: all loaded at once, then ``rounds``
+        rounds of ``bench.repetitions`` each, in rotating order (see ``tuner.worker.paired``).
+
+        Every candidate must fit in memory together with the others. Each result carries that
+        candidate's samples; the outcome and log are shared (one process ran them all)."""
+        started = time.perf_counter()
+        for s in candidates:
+            rejected = self.pre_check(s, bench)
+            if rejected:
+                c = classify(rejected=rejected)
+                return [TrialResult(c.outcome, c.message, x, bench) for x in candidates]
+        self._retire(graceful=True)  # the paired run loads its own models
+        request = {"op": "paired", "candidates": [_wire(s) for s in candidates], "bench": bench.to_dict(), "rounds": rounds}
+        x = self._exchange(request, started + self.timeout_s * max(1, len(candidates)))
+        report = parse_log(x.segment)
+        c = self._classify(x, report)
+        self._model_key = None  # the worker freed what it loaded
+        reply = x.reply or {}
+        pp = reply.get("pp_samples") or [[] for _ in candidates]
+        tg = reply.get("tg_samples") or [[] for _ in candidates]
+        return [
+            TrialResult(outcome=c.outcome, message=c.message, settings=s, bench=bench, pp=Stats.of(pp[i]), tg=Stats.of(tg[i]),
+                        load=report, log=x.segment, peak_rss=max(x.sampler.peak_rss, reply.get("peak_rss") or 0) or None,
+                        peak_vram=dict(x.sampler.peak_vram), signal=c.signal_name, returncode=x.returncode,
+                        wall_s=time.perf_counter() - started)
+            for i, s in enumerate(candidates)
+        ]
+
+    def _exchange(self, request: dict[str, Any], deadline: float) -> "_Exchange":
+        """Send one request to the worker (started if needed) and wait for its reply or its end."""
         if self._proc is None:
             self._start()
         proc = self._proc
         assert proc is not None and self._log_path is not None
         offset = self._log_path.stat().st_size
-        request = {
-            "trial_id": trial_id if trial_id is not None else self._count,
-            "settings": {**settings.to_dict(), "type_k_id": KV_CACHE_TYPES[settings.type_k], "type_v_id": KV_CACHE_TYPES[settings.type_v]},
-            "bench": bench.to_dict(),
-        }
         sampler = _Sampler(proc.pid)
         sampler.start()
         reply: dict[str, Any] | None = None
@@ -312,7 +371,7 @@ class TrialRunner:
         try:
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
-            reply, timed_out = self._await_reply(proc, started + self.timeout_s)
+            reply, timed_out = self._await_reply(proc, deadline)
         except BrokenPipeError:
             reply = None
         except BaseException:
@@ -331,43 +390,14 @@ class TrialRunner:
             except subprocess.TimeoutExpired:
                 kill_group(proc)
             returncode = proc.returncode
-        segment = self._read_log(offset)
-        if reply is not None and not reply.get("reused_model"):
-            # keep this load's model lines for later trials that reuse the model
-            self._model_log = segment.split(CONTEXT_MARK, 1)[0] if CONTEXT_MARK in segment else segment
-        full_log = segment if reply is None or not reply.get("reused_model") else self._model_log + segment
-        report = parse_log(full_log)
-        c: Classification = classify(
-            timed_out=timed_out,
-            timeout_s=self.timeout_s,
-            reply=reply,
-            returncode=returncode,
-            oom_in_log=report.oom,
-            error_lines=tuple(report.errors),
-        )
-        if c.outcome is Outcome.OK:
-            self._model_key = key
-        elif c.outcome is not Outcome.BAD_SETTINGS:
-            self._retire()
-        reply = reply or {}
-        peak_rss = max(x for x in (sampler.peak_rss, reply.get("peak_rss") or 0))
-        return TrialResult(
-            outcome=c.outcome,
-            message=c.message,
-            settings=settings,
-            bench=bench,
-            pp=Stats.of(reply.get("pp_samples", [])),
-            tg=Stats.of(reply.get("tg_samples", [])),
-            load=report,
-            log=full_log,
-            peak_rss=peak_rss or None,
-            peak_vram=dict(sampler.peak_vram),
-            signal=c.signal_name,
-            returncode=returncode,
-            wall_s=time.perf_counter() - started,
-            load_s=float(reply.get("load_s", 0.0)),
-            reused_model=bool(reply.get("reused_model", False)),
-        )
+        return _Exchange(reply, timed_out, returncode, self._read_log(offset), sampler)
+
+    def _classify(self, x: "_Exchange", report: LoadReport) -> Classification:
+        c = classify(timed_out=x.timed_out, timeout_s=self.timeout_s, reply=x.reply, returncode=x.returncode,
+                     oom_in_log=report.oom, error_lines=tuple(report.errors))
+        if c.outcome not in (Outcome.OK, Outcome.BAD_SETTINGS):
+            self._retire()  # a failed worker is never reused
+        return c
 
     def _await_reply(self, proc: subprocess.Popen, deadline: float) -> tuple[dict[str, Any] | None, bool]:
         sel = selectors.DefaultSelector()
@@ -403,6 +433,20 @@ class TrialRunner:
                 return handle.read().decode("utf-8", errors="replace")
         except OSError:
             return ""
+
+
+@dataclass
+class _Exchange:
+    reply: dict[str, Any] | None
+    timed_out: bool
+    returncode: int | None
+    segment: str
+    sampler: _Sampler
+
+
+def _wire(settings: Settings) -> dict[str, Any]:
+    """Settings as the worker reads them (with the ggml type ids of the KV cache types)."""
+    return {**settings.to_dict(), "type_k_id": KV_CACHE_TYPES[settings.type_k], "type_v_id": KV_CACHE_TYPES[settings.type_v]}
 
 
 def run_trial(settings: Settings, bench: BenchSpec = BenchSpec(), **runner_kwargs: Any) -> TrialResult:

@@ -408,6 +408,23 @@ class Tuner:
             if self.engine is None:
                 engine.close()
 
+    def _fit_together(self, candidates: Sequence[Settings]) -> bool:
+        """Whether these candidates fit in memory all at once (a paired measurement loads them
+        together): each distinct model's weights once, every context's KV and compute."""
+        need: dict[str, int] = {}
+        seen_models: set[tuple] = set()
+        for s in candidates:
+            est = self.estimate_for(s)
+            first = s.model_key not in seen_models
+            seen_models.add(s.model_key)
+            for device, mem in est.devices.items():
+                need[device] = need.get(device, 0) + (mem.weights if first else 0) + mem.kv + mem.compute
+        for device, total in need.items():
+            free = self.free.get(device)
+            if free is not None and total > free - (self.margin if device != CPU else 0):
+                return False
+        return True
+
     def _time_left(self, started: float, launched: int, launched_before: int) -> float | None:
         """Seconds left: of the time budget, or estimated from the trials so far."""
         elapsed = time.monotonic() - started
@@ -457,8 +474,7 @@ class Tuner:
                  "layers": t.user_attrs.get("layers", [None, None])}
             if result is not None and result.ok:
                 e.update(pp=result.pp.to_dict() if result.pp else None, tg=result.tg.to_dict() if result.tg else None,
-                         value=score(self.objective, result.pp, result.tg, final), remeasured=True,
-                         actual=_actual_memory(result), layers=[result.load.layers_offloaded, result.load.layers_total])
+                         value=score(self.objective, result.pp, result.tg, final), remeasured=True)
             return e
 
         rounds = max(1, min(self.final_rounds, self.final_repetitions))
@@ -472,17 +488,29 @@ class Tuner:
         contenders = [entry(t) for t in ranked[: self.final_candidates]]
         samples: dict[int, dict[str, list[float]]] = {c["number"]: {"pp": [], "tg": []} for c in contenders}
         last: dict[int, TrialResult] = {}
+        paired = hasattr(engine, "run_paired") and len(contenders) > 1 and self._fit_together([c["settings"] for c in contenders])
         if not interrupted:
             self.emit({"kind": "remeasure", "candidates": [c["number"] for c in contenders], "rounds": rounds,
-                       "repetitions": rounds * per_round})
+                       "repetitions": rounds * per_round, "paired": paired})
             try:
-                for _ in range(rounds):
-                    for c in contenders:
-                        again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
-                        if again.ok:
-                            last[c["number"]] = again
-                            samples[c["number"]]["pp"] += list(again.pp.samples) if again.pp else []
-                            samples[c["number"]]["tg"] += list(again.tg.samples) if again.tg else []
+                if paired:
+                    # all loaded in one worker, measured within the same seconds, round after round
+                    results = engine.run_paired([c["settings"] for c in contenders], final, rounds=rounds)
+                    if not all(r.ok for r in results):
+                        self.emit({"kind": "paired_failed", "message": results[0].message})
+                        paired = False
+                    else:
+                        for c, r in zip(contenders, results):
+                            last[c["number"]] = r
+                            samples[c["number"]] = {"pp": list(r.pp.samples) if r.pp else [], "tg": list(r.tg.samples) if r.tg else []}
+                if not paired:
+                    for _ in range(rounds):
+                        for c in contenders:
+                            again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
+                            if again.ok:
+                                last[c["number"]] = again
+                                samples[c["number"]]["pp"] += list(again.pp.samples) if again.pp else []
+                                samples[c["number"]]["tg"] += list(again.tg.samples) if again.tg else []
             except KeyboardInterrupt:
                 interrupted = True
         for i, c in enumerate(contenders):

@@ -68,7 +68,7 @@ class Worker:
             if request.get("op") == "exit":
                 break
             try:
-                self.send(self.trial(request))
+                self.send(paired(self, request) if request.get("op") == "paired" else self.trial(request))
             except Exception as exc:  # a Python-side failure is a reply, not a silent death
                 _log(traceback.format_exc())
                 self.send({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
@@ -85,11 +85,18 @@ class Worker:
 
     def load_model(self, s: dict[str, Any]) -> tuple[bool, str | None, float]:
         """Load unless the loaded model has the same model-level settings. (reused, error, seconds)"""
-        lc = self.llama_cpp
         key = json.dumps([s[k] for k in MODEL_KEYS])
         if self.model is not None and key == self.model_key:
             return True, None, 0.0
         self.free_model()
+        model, keep, error, seconds = self._load(s)
+        if error:
+            return False, error, seconds
+        self.model, self.model_key, self.keepalive = model, key, keep
+        return False, None, seconds
+
+    def _load(self, s: dict[str, Any]) -> tuple[Any, list[Any], str | None, float]:
+        lc = self.llama_cpp
         if s.get("rpc_servers"):
             from .rpc import register_servers
 
@@ -124,11 +131,10 @@ class Worker:
         model = lc.llama_model_load_from_file(s["model_path"].encode(), params)
         seconds = time.perf_counter() - started
         if not model:
-            return False, "llama.cpp failed to load the model", seconds
-        self.model, self.model_key, self.keepalive = model, key, keep
-        return False, None, seconds
+            return None, keep, "llama.cpp failed to load the model", seconds
+        return model, keep, None, seconds
 
-    def new_context(self, s: dict[str, Any]):
+    def new_context(self, s: dict[str, Any], model: Any = None):
         lc = self.llama_cpp
         params = lc.llama_context_default_params()
         params.n_ctx = s["n_ctx"]
@@ -146,7 +152,7 @@ class Worker:
         params.op_offload = s["op_offload"]
         params.no_perf = False
         _log(f"{LOG_MARK} context begins\n")
-        return lc.llama_init_from_model(self.model, params)
+        return lc.llama_init_from_model(model or self.model, params)
 
     # -- measurement ----------------------------------------------------------------------------
 
@@ -163,64 +169,21 @@ class Worker:
         if not ctx:
             return {"status": "context_error", "message": "llama.cpp failed to create the context", "load_s": load_s, "reused_model": reused}
         try:
-            vocab = lc.llama_model_get_vocab(self.model)
-            n_vocab = lc.llama_vocab_n_tokens(vocab)
-            bos = lc.llama_vocab_bos(vocab) if lc.llama_vocab_get_add_bos(vocab) else -1
-            rng = random.Random(bench.get("seed", 1234))
-            n_ctx = lc.llama_n_ctx(ctx)
-            n_batch = lc.llama_n_batch(ctx)
-            P, G, D = bench["n_prompt"], bench["n_gen"], bench["depth"]
-            reps, warmup = bench["repetitions"], bench.get("warmup", True)
-            if D + max(P, G) > n_ctx:
-                return {"status": "bad_settings", "message": f"depth {D} + {max(P, G)} tokens exceed n_ctx {n_ctx}"}
-            memory = lc.llama_get_memory(ctx)
-
-            def decode(tokens: list[int]) -> None:
-                arr = (lc.llama_token * len(tokens))(*tokens)
-                rc = lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(tokens)))
-                if rc != 0:
-                    raise DecodeError(rc)
-
-            def prompt(n: int) -> None:
-                tokens = [rng.randrange(n_vocab) for _ in range(n)]
-                if bos >= 0 and tokens:
-                    tokens[0] = bos
-                for i in range(0, n, n_batch):
-                    decode(tokens[i : i + n_batch])
-                lc.llama_synchronize(ctx)
-
-            def gen(n: int) -> None:
-                token = bos if bos >= 0 else rng.randrange(n_vocab)
-                for _ in range(n):
-                    decode([token])
-                    lc.llama_synchronize(ctx)
-                    token = rng.randrange(n_vocab)
-
-            def timed(fn, n: int) -> float:
-                lc.llama_memory_clear(memory, False)
-                if D:
-                    prompt(D)
-                start = time.perf_counter_ns()
-                fn(n)
-                elapsed = time.perf_counter_ns() - start
-                return n / (elapsed / 1e9)
-
-            if warmup:
-                # A full-size warm-up: llama-bench's one-batch warm-up left our first timed pp
-                # 2x slow (first touch of mapped weights and compute buffers at full width).
-                if P:
-                    timed(prompt, P)
-                if G:
-                    timed(gen, min(G, 8))
-            pp = [timed(prompt, P) for _ in range(reps)] if P else []
-            tg = [timed(gen, G) for _ in range(reps)] if G else []
+            b = _Bench(lc, self.model, ctx, bench)
+            if b.too_small:
+                return {"status": "bad_settings", "message": b.too_small}
+            if bench.get("warmup", True):
+                b.warm_up()
+            reps = bench["repetitions"]
+            pp = [b.timed_pp() for _ in range(reps)] if b.P else []
+            tg = [b.timed_tg() for _ in range(reps)] if b.G else []
             return {
                 "status": "ok",
                 "pp_samples": pp,
                 "tg_samples": tg,
                 "load_s": load_s,
                 "reused_model": reused,
-                "n_ctx": n_ctx,
+                "n_ctx": b.n_ctx,
                 "peak_rss": _peak_rss(),
             }
         except DecodeError as exc:
@@ -230,6 +193,122 @@ class Worker:
         finally:
             lc.llama_free(ctx)
             _log(f"{LOG_MARK} trial {request.get('trial_id', '?')} ends\n")
+
+
+class _Bench:
+    """llama-bench's measurements on one context: random vocabulary tokens, BOS first, pp in
+    n_batch chunks, tg one token at a time after ``depth`` tokens, the cache cleared each time."""
+
+    def __init__(self, lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> None:
+        self.lc, self.ctx = lc, ctx
+        vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
+        self.bos = lc.llama_vocab_bos(vocab) if lc.llama_vocab_get_add_bos(vocab) else -1
+        self.rng = random.Random(bench.get("seed", 1234))
+        self.n_ctx = lc.llama_n_ctx(ctx)
+        self.n_batch = lc.llama_n_batch(ctx)
+        self.P, self.G, self.D = bench["n_prompt"], bench["n_gen"], bench["depth"]
+        need = self.D + max(self.P, self.G)
+        self.too_small = f"depth {self.D} + {max(self.P, self.G)} tokens exceed n_ctx {self.n_ctx}" if need > self.n_ctx else None
+        self.memory = lc.llama_get_memory(ctx)
+
+    def decode(self, tokens: list[int]) -> None:
+        lc = self.lc
+        arr = (lc.llama_token * len(tokens))(*tokens)
+        rc = lc.llama_decode(self.ctx, lc.llama_batch_get_one(arr, len(tokens)))
+        if rc != 0:
+            raise DecodeError(rc)
+
+    def prompt(self, n: int) -> None:
+        tokens = [self.rng.randrange(self.n_vocab) for _ in range(n)]
+        if self.bos >= 0 and tokens:
+            tokens[0] = self.bos
+        for i in range(0, n, self.n_batch):
+            self.decode(tokens[i : i + self.n_batch])
+        self.lc.llama_synchronize(self.ctx)
+
+    def gen(self, n: int) -> None:
+        token = self.bos if self.bos >= 0 else self.rng.randrange(self.n_vocab)
+        for _ in range(n):
+            self.decode([token])
+            self.lc.llama_synchronize(self.ctx)
+            token = self.rng.randrange(self.n_vocab)
+
+    def _timed(self, fn: Any, n: int) -> float:
+        self.lc.llama_memory_clear(self.memory, False)
+        if self.D:
+            self.prompt(self.D)
+        start = time.perf_counter_ns()
+        fn(n)
+        return n / ((time.perf_counter_ns() - start) / 1e9)
+
+    def timed_pp(self) -> float:
+        return self._timed(self.prompt, self.P)
+
+    def timed_tg(self) -> float:
+        return self._timed(self.gen, self.G)
+
+    def warm_up(self) -> None:
+        # A full-size warm-up: llama-bench's one-batch warm-up left our first timed pp 2x slow
+        # (first touch of mapped weights and compute buffers at full width).
+        if self.P:
+            self.timed_pp()
+        if self.G:
+            self._timed(self.gen, min(self.G, 8))
+
+
+def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
+    """Measure several candidates side by side: every model loaded and every context created
+    first, then rounds in which each candidate runs once, in rotating order.
+
+    On a shared machine speed drifts over seconds; candidates measured within the same second
+    see the same machine, so their ratio is far steadier than figures taken minutes apart."""
+    lc = worker.llama_cpp
+    bench, rounds = request["bench"], request["rounds"]
+    worker.free_model()
+    models: dict[str, Any] = {}
+    keep: list[Any] = []
+    contexts: list[Any] = []
+    _log(f"{LOG_MARK} paired measurement of {len(request['candidates'])} candidates begins\n")
+    try:
+        benches = []
+        for s in request["candidates"]:
+            key = json.dumps([s[k] for k in MODEL_KEYS])
+            if key not in models:
+                model, kept, error, _ = worker._load(s)
+                keep += kept
+                if error:
+                    return {"status": "load_error", "message": error}
+                models[key] = model
+            ctx = worker.new_context(s, models[key])
+            if not ctx:
+                return {"status": "context_error", "message": "llama.cpp failed to create a context"}
+            contexts.append(ctx)
+            b = _Bench(lc, models[key], ctx, bench)
+            if b.too_small:
+                return {"status": "bad_settings", "message": b.too_small}
+            benches.append(b)
+        for b in benches:
+            b.warm_up()
+        pp: list[list[float]] = [[] for _ in benches]
+        tg: list[list[float]] = [[] for _ in benches]
+        order = list(range(len(benches)))
+        for r in range(rounds):
+            for i in order[r % len(order):] + order[: r % len(order)]:
+                for _ in range(bench["repetitions"]):
+                    if benches[i].P:
+                        pp[i].append(benches[i].timed_pp())
+                    if benches[i].G:
+                        tg[i].append(benches[i].timed_tg())
+        return {"status": "ok", "pp_samples": pp, "tg_samples": tg, "peak_rss": _peak_rss()}
+    except DecodeError as exc:
+        return {"status": "context_error", "message": f"llama_decode returned {exc.code}"}
+    finally:
+        for ctx in contexts:
+            lc.llama_free(ctx)
+        for model in models.values():
+            lc.llama_model_free(model)
+        _log(f"{LOG_MARK} paired measurement ends\n")
 
 
 class DecodeError(Exception):
