@@ -350,6 +350,8 @@ class _Progress:
             layers = e.get("layers") or (None, None)
             offload = f" layers {layers[0]}/{layers[1]}" if layers[0] is not None and layers[0] > 0 else ""
             out(f"{getattr(self, 'current', '')} -> {e['outcome']}{offload}: {value} ({best}{left})")
+        elif kind == "invalid":
+            out(f"      skipped an invalid combination: {e['reason']}")
         elif kind == "pruned":
             out(f"      skipped {_summary(e['settings'])}: {e['reason']}")
         elif kind == "remeasure":
@@ -439,7 +441,8 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     if result.runner_up:
         click.echo(f"  runner-up within noise: {_summary(result.runner_up['settings'])}")
     c = result.counts
-    click.echo(f"trials: {c['run']} run, {c['pruned']} skipped by prediction or learning, {c['oom']} out of memory, {c['failed']} failed")
+    click.echo(f"trials: {c['run']} run, {c['pruned']} not launched (invalid, predicted not to fit, or past a learned "
+               f"out-of-memory boundary), {c['oom']} out of memory, {c['failed']} failed")
     click.echo(f"profile: {result.profile_path}")
     click.echo(f"llama-server flags: {result.profile.settings.command_line('llama-server')}")
     if result.interrupted:

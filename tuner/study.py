@@ -341,6 +341,7 @@ class Tuner:
                 except (ValueError, SettingsError) as exc:
                     trial.set_user_attr("reason", f"invalid candidate: {exc}")
                     study.tell(trial, state=TrialState.PRUNED)
+                    self.emit({"kind": "invalid", "number": trial.number, "reason": str(exc)})
                     continue
                 key = _settings_key(s)
                 if key in done:
