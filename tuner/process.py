@@ -17,16 +17,21 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def vm_size() -> int:
-    """This process's mapped address space in bytes (Linux), 0 where unknown."""
+def status_bytes(field: str) -> int | None:
+    """A size line of /proc/self/status (``VmSize``, ``VmHWM``...) in bytes; None where unknown."""
     try:
         with open("/proc/self/status") as handle:
             for line in handle:
-                if line.startswith("VmSize:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def vm_size() -> int:
+    """This process's mapped address space in bytes (Linux), 0 where unknown."""
+    return status_bytes("VmSize") or 0
 
 
 def cap_address_space(limit: int) -> int:

@@ -31,7 +31,7 @@ from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
 from .process import kill_group
 from .settings import KV_CACHE_TYPES, Settings
-from .worker import LOG_MARK, MODEL_KEYS
+from .worker import LOG_MARK
 
 CONTEXT_MARK = f"{LOG_MARK} context begins"
 
@@ -455,4 +455,4 @@ def run_trial(settings: Settings, bench: BenchSpec = BenchSpec(), **runner_kwarg
         return runner.run(settings, bench)
 
 
-__all__ = ["BenchSpec", "Stats", "TrialResult", "TrialRunner", "run_trial", "MODEL_KEYS"]
+__all__ = ["BenchSpec", "Stats", "TrialResult", "TrialRunner", "run_trial"]

@@ -35,6 +35,10 @@ SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 CLI_TOOLS = ("llama-server", "llama-cli", "llama-bench")
 
+# The settings that decide the loaded model (the rest only shape the context).
+MODEL_KEYS = ("model_path", "n_gpu_layers", "split_mode", "main_gpu", "tensor_split", "use_mmap", "use_mlock",
+              "tensor_overrides", "rpc_servers")
+
 _RPC_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
 
 
@@ -181,17 +185,7 @@ class Settings:
     @property
     def model_key(self) -> tuple:
         """What decides the loaded model: trials that share it can share one loaded model."""
-        return (
-            self.model_path,
-            self.n_gpu_layers,
-            self.split_mode,
-            self.main_gpu,
-            self.tensor_split,
-            self.use_mmap,
-            self.use_mlock,
-            self.tensor_overrides,
-            self.rpc_servers,
-        )
+        return tuple(getattr(self, name) for name in MODEL_KEYS)
 
     def llama_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``llama_cpp.Llama`` (llama-cpp-python 0.3.36).

@@ -26,6 +26,8 @@ import time
 import traceback
 from typing import Any
 
+from .settings import MODEL_KEYS
+
 LOG_MARK = "offload-tuner:"
 
 
@@ -317,7 +319,6 @@ class DecodeError(Exception):
         super().__init__(f"llama_decode returned {code}")
 
 
-MODEL_KEYS = ("model_path", "n_gpu_layers", "split_mode", "main_gpu", "tensor_split", "use_mmap", "use_mlock", "tensor_overrides", "rpc_servers")
 
 
 def _reset_peak_rss() -> None:
@@ -329,13 +330,11 @@ def _reset_peak_rss() -> None:
 
 
 def _peak_rss() -> int | None:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from .process import status_bytes
+
+    peak = status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     try:
         import resource
 
