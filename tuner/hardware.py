@@ -243,12 +243,7 @@ try:
     info = llama_cpp.llama_print_system_info()
     out["system_info"] = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
     backends = []
-    try:
-        llama_cpp.llama_backend_init()
-        lib = llama_cpp.llama_cpp._lib if hasattr(llama_cpp.llama_cpp, "_lib") else None
-    except Exception:
-        lib = None
-    import ctypes, os, glob, subprocess
+    import ctypes, os, glob, sysconfig
     libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
     for path in sorted(glob.glob(os.path.join(libdir, "libggml-*.so*")) + glob.glob(os.path.join(libdir, "ggml-*.dll")) + glob.glob(os.path.join(libdir, "libggml-*.dylib"))):
         name = os.path.basename(path).split(".")[0].replace("libggml-", "").replace("ggml-", "")
@@ -257,25 +252,23 @@ try:
     out["backends"] = backends
     # llama.cpp's own version (llama_version(), 2026) and, where llama.cpp's common library was
     # installed beside it, the commit and build number it was compiled from.
-    parts = []
+    version = origin = None
     try:
         lib = ctypes.CDLL(os.path.join(libdir, "libllama.so"))
         lib.llama_version.restype = ctypes.c_char_p
-        parts.append(lib.llama_version().decode())
+        version = lib.llama_version().decode()
     except (OSError, AttributeError):
         pass
-    import sysconfig
     for common in (os.path.join(libdir, "libllama-common.so"), os.path.join(sysconfig.get_paths()["purelib"], "lib", "libllama-common.so")):
         if os.path.exists(common):
             try:
                 c = ctypes.CDLL(common)
                 commit = ctypes.c_char_p.in_dll(c, "LLAMA_COMMIT").value.decode()
-                number = ctypes.c_int.in_dll(c, "LLAMA_BUILD_NUMBER").value
-                parts.append(f"commit {commit}, build {number}")
+                origin = f"commit {commit}, build {ctypes.c_int.in_dll(c, 'LLAMA_BUILD_NUMBER').value}"
             except (OSError, ValueError, AttributeError):
                 pass
             break
-    out["llama_cpp_build"] = " ".join(parts[:1]) + (f" ({parts[1]})" if len(parts) > 1 else "") if parts else None
+    out["llama_cpp_build"] = " ".join(x for x in (version, f"({origin})" if origin else None) if x) or None
 except Exception as exc:
     out["error"] = f"{type(exc).__name__}: {exc}"
 print(json.dumps(out))
