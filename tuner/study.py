@@ -15,6 +15,7 @@ Ctrl-C kills the running trial and still writes the best profile so far.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -22,7 +23,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .errors import ModelError, SettingsError, StudyError
 from .estimate import CPU, MemoryEstimate, estimate, max_gpu_layers
@@ -318,6 +319,13 @@ class Tuner:
                    "time_budget": self.time_budget})
 
         engine = self.engine or TrialRunner(timeout_s=self.trial_timeout)
+        with _CtrlC() as ctrl_c:
+            return self._loop(study, engine, ctrl_c, done, learned, launched_before)
+
+    def _loop(self, study: Any, engine: Any, ctrl_c: "_CtrlC", done: dict[str, Any], learned: dict[str, int],
+              launched_before: int) -> TuneResult:
+        from optuna.trial import TrialState
+
         started = time.monotonic()
         launched = 0
         asks = 0
@@ -326,6 +334,10 @@ class Tuner:
         max_asks = (self.trials or 1000) * 20 + 50
         try:
             while True:
+                if ctrl_c.requested:
+                    interrupted = True
+                    self.emit({"kind": "interrupted", "number": None})
+                    break
                 # --trials counts launches over the whole study: a resumed study runs the rest.
                 if self.trials is not None and launched_before + launched >= self.trials:
                     break
@@ -371,7 +383,8 @@ class Tuner:
                            "settings": s.to_dict(), "elapsed": time.monotonic() - started})
                 trial.set_user_attr("launched", True)
                 try:
-                    result = engine.run(s, self.bench, trial_id=trial.number)
+                    with ctrl_c.immediate():
+                        result = engine.run(s, self.bench, trial_id=trial.number)
                 except KeyboardInterrupt:
                     trial.set_user_attr("interrupted", True)
                     study.tell(trial, state=TrialState.FAIL)
@@ -404,7 +417,7 @@ class Tuner:
             interrupted = True
             self.emit({"kind": "interrupted", "number": None})
         try:
-            return self._finish(study, engine, interrupted)
+            return self._finish(study, engine, interrupted or ctrl_c.requested, ctrl_c)
         finally:
             if self.engine is None:
                 engine.close()
@@ -448,7 +461,7 @@ class Tuner:
 
     # -- the winner ---------------------------------------------------------------------------
 
-    def _finish(self, study: Any, engine: Any, interrupted: bool) -> TuneResult:
+    def _finish(self, study: Any, engine: Any, interrupted: bool, ctrl_c: "_CtrlC") -> TuneResult:
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
@@ -496,7 +509,8 @@ class Tuner:
             try:
                 if paired:
                     # all loaded in one worker, measured within the same seconds, round after round
-                    results = engine.run_paired([c["settings"] for c in contenders], final, rounds=rounds)
+                    with ctrl_c.immediate():
+                        results = engine.run_paired([c["settings"] for c in contenders], final, rounds=rounds)
                     if not all(r.ok for r in results):
                         self.emit({"kind": "paired_failed", "message": results[0].message})
                         paired = False
@@ -507,7 +521,8 @@ class Tuner:
                 if not paired:
                     for _ in range(rounds):
                         for c in contenders:
-                            again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
+                            with ctrl_c.immediate():
+                                again = engine.run(c["settings"], final, trial_id=f"final-{c['number']}")
                             if again.ok:
                                 last[c["number"]] = again
                                 samples[c["number"]]["pp"] += list(again.pp.samples) if again.pp else []
@@ -565,6 +580,46 @@ class Tuner:
             "study": {"name": self.study_name, "storage": _redact(self.storage)},
         }
         return _build_profile(data, self.machine)
+
+
+class _CtrlC:
+    """Ctrl-C during a tune: immediate while llama.cpp runs (the runner kills the worker at once),
+    deferred everywhere else, so it never lands in the middle of a write to the study's database.
+    Only the main thread can own SIGINT; elsewhere this does nothing."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._immediate = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "_CtrlC":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+        if self._immediate:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def immediate(self) -> Iterator[None]:
+        if self.requested:
+            raise KeyboardInterrupt
+        self._immediate = True
+        try:
+            yield
+        finally:
+            self._immediate = False
 
 
 @dataclass(frozen=True)
