@@ -239,10 +239,8 @@ def _check(
 
 
 def _with_rpc_devices(machine: "Machine", servers: tuple[str, ...]) -> "Machine":
-    try:
-        from .rpc import query_devices  # the lead's module; absent in early builds
-    except ImportError:
-        return machine
+    from .rpc import query_devices
+
     try:
         return dataclasses.replace(machine, rpc_devices=tuple(query_devices(servers)))
     except Exception as exc:  # an unreachable server is reported by the fit check as "cannot check"

@@ -476,16 +476,14 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
         pass
 
 
-def _mount_optional() -> None:
+def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
-    try:
-        from .cli_profile import profile_group
-    except ImportError:
-        return
+    from .cli_profile import profile_group
+
     cli.add_command(profile_group)
 
 
-_mount_optional()
+_mount_subcommands()
 
 
 def main() -> None:

@@ -125,13 +125,15 @@ def split_parts(path: str | os.PathLike[str]) -> list[Path]:
     return [p.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
+def combined_hash(headers: list[dict]) -> str:
+    """One hash for a model from the ``header_info`` of each of its parts, in order."""
+    digest = hashlib.sha256()
+    for info in headers:
+        digest.update(info["header_hash"].encode())
+    return digest.hexdigest()
+
+
 def model_fingerprint(path: str | os.PathLike[str]) -> dict:
     """``{"file_name", "size", "header_hash"}`` of a model (all parts of a split model)."""
-    parts = split_parts(path)
-    digest = hashlib.sha256()
-    size = 0
-    for part in parts:
-        info = header_info(part)
-        digest.update(info["header_hash"].encode())
-        size += info["size"]
-    return {"file_name": Path(path).name, "size": size, "header_hash": digest.hexdigest()}
+    headers = [header_info(part) for part in split_parts(path)]
+    return {"file_name": Path(path).name, "size": sum(h["size"] for h in headers), "header_hash": combined_hash(headers)}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EmptyModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
-from .fingerprint import check_path, header_info, model_fingerprint, split_parts
+from .fingerprint import check_path, combined_hash, header_info, split_parts
 
 # ggml type -> (block size, bytes per block): ggml/src/ggml.c type_traits. Used for the KV cache.
 KV_TYPE_BLOCKS: dict[str, tuple[int, int]] = {
@@ -179,10 +179,13 @@ def inspect(path: str | Any) -> ModelInfo:
     for part in parts:
         if not part.exists():
             raise ModelNotFoundError(part, f"part of the split model {first.name} is missing; all {len(parts)} parts must sit side by side")
-    info = header_info(first)  # clear errors for bad magic / truncated header before numpy sees it
+    # Our own header reader first: clear errors for a bad magic or a truncated file before
+    # numpy sees it, and the header hash, read once per part.
+    headers = []
     readers = []
     for part in parts:
-        _check_tensor_data(part, header_info(part))
+        headers.append(header_info(part))
+        _check_tensor_data(part, headers[-1])
         try:
             readers.append(gguf.GGUFReader(str(part), "r"))
         except (ValueError, IndexError, OSError) as exc:
@@ -312,7 +315,7 @@ def inspect(path: str | Any) -> ModelInfo:
         kv_layers=kv_layers,
         sliding_window=sliding_window,
         swa_layers=swa_layers,
-        header_hash=model_fingerprint(first)["header_hash"],
+        header_hash=combined_hash(headers),
         tensor_types=type_counts,
         tensors=tuple(tensors),
     )
@@ -322,7 +325,6 @@ def inspect(path: str | Any) -> ModelInfo:
         if all((head_k * n) % KV_TYPE_BLOCKS[t][0] == 0 and (head_v * n) % KV_TYPE_BLOCKS[t][0] == 0 for n in kv_per_layer if n)
     }
     object.__setattr__(result, "kv_bytes_per_token", kv)
-    del info
     return result
 
 

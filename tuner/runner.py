@@ -281,8 +281,6 @@ class TrialRunner:
         need = bench.depth + max(bench.n_prompt, bench.n_gen)
         if settings.n_ctx and need > settings.n_ctx:
             return f"n_ctx {settings.n_ctx} is smaller than depth {bench.depth} + {max(bench.n_prompt, bench.n_gen)} test tokens"
-        if settings.rpc_servers and not any(True for _ in settings.rpc_servers):
-            return "rpc_servers is empty"
         return None
 
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
