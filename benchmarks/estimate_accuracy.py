@@ -24,10 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tuner.estimate import estimate  # noqa: E402
-from tuner.model import inspect  # noqa: E402
-from tuner.runner import BenchSpec, TrialRunner  # noqa: E402
-from tuner.settings import Settings  # noqa: E402
+from tuner.model.estimate import estimate  # noqa: E402
+from tuner.model.inspect import inspect  # noqa: E402
+from tuner.engine.base import BenchSpec  # noqa: E402
+from tuner.engine.python import TrialRunner  # noqa: E402
+from tuner.engine.settings import Settings  # noqa: E402
 from tuner.testing import DEMO_SHAPE, ModelShape, make_model, quantize  # noqa: E402
 
 MiB = 1 << 20
@@ -55,7 +56,7 @@ def main() -> int:
     rows = 0
     servers = []
     if args.rpc:
-        from tuner.rpc import start_servers
+        from tuner.engine.rpc import start_servers
 
         servers = start_servers(2, threads=1)
     endpoints = [s.endpoint for s in servers]

@@ -28,8 +28,9 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OFFLOAD_TUNER_HOME"] = tmp
-        from tuner.runner import BenchSpec, TrialRunner
-        from tuner.settings import Settings
+        from tuner.engine.base import BenchSpec
+        from tuner.engine.python import TrialRunner
+        from tuner.engine.settings import Settings
         from tuner.testing import demo_models
 
         (model,) = demo_models(Path(tmp) / "models", quants=(args.quant,))

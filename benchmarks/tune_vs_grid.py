@@ -8,7 +8,7 @@ Makes the demo model in two quantizations (Q8_0, Q4_K_M), then, on this machine:
 A single measurement on a busy machine is noisy (we saw 10-20% between identical trials on 2
 shared cores), and the best of 96 noisy figures is biased upwards. So the comparison that decides
 is a head-to-head at the end: the grid's three best and the tuner's winner, measured side by side
-in one worker (tuner.runner.TrialRunner.run_paired), with an identical twin of the grid's best as
+in one worker (tuner.engine.python.TrialRunner.run_paired), with an identical twin of the grid's best as
 a control whose gap shows the noise floor; the grid's best is the best of the grid's three. It prints
 the raw figures too, the ratio, and the trial counts. Target: the winner reaches at least 0.97 x
 the grid's best tg with at most a quarter of the grid's trials.
@@ -45,8 +45,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OFFLOAD_TUNER_HOME"] = tmp  # a fresh study, nothing resumed
         from tuner.errors import SettingsError
-        from tuner.runner import BenchSpec, TrialRunner
-        from tuner.study import Tuner, score
+        from tuner.engine.base import BenchSpec
+        from tuner.engine.python import TrialRunner
+        from tuner.search.study import Tuner, score
         from tuner.testing import demo_models
 
         q8, q4 = demo_models(Path(tmp) / "models")
@@ -95,7 +96,7 @@ def main() -> int:
         #    of the grid's best as a control: the gap between twins is this machine's noise floor
         import statistics
 
-        from tuner.settings import Settings
+        from tuner.engine.settings import Settings
 
         top = sorted(measured, key=measured.get, reverse=True)[: args.top]
         contenders = list(dict.fromkeys(top + [winner_key])) + [top[0]]

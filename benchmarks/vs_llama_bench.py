@@ -31,8 +31,9 @@ def main() -> int:
     parser.add_argument("--n-gen", type=int, default=128)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
-    from tuner.runner import BenchSpec, TrialRunner
-    from tuner.settings import Settings
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import TrialRunner
+    from tuner.engine.settings import Settings
     from tuner.testing import build_against_llama_cpp, demo_models, llama_cpp_env, llama_cpp_source
 
     source = llama_cpp_source()

@@ -14,9 +14,9 @@ import argparse
 import sys
 import warnings
 
-from tuner.apps import Llama, load_profile
+from tuner.profile.apps import Llama, load_profile
 from tuner.errors import TunerError
-from tuner.profile import ProfileWarning
+from tuner.profile.document import ProfileWarning
 
 
 def main() -> int:

@@ -16,10 +16,10 @@ import shutil
 import sys
 import warnings
 
-from tuner.apps import load_profile
+from tuner.profile.apps import load_profile
 from tuner.errors import TunerError
-from tuner.exports import tool_args
-from tuner.profile import ProfileWarning
+from tuner.profile.exports import tool_args
+from tuner.profile.document import ProfileWarning
 
 
 def main() -> int:

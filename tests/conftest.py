@@ -42,7 +42,7 @@ def rpc_servers():
     Every server started here is stopped at teardown, whatever the test did, and the test fails
     if one outlived its stop (an orphan process).
     """
-    from tuner.rpc import start_servers
+    from tuner.engine.rpc import start_servers
 
     started = []
 

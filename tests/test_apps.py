@@ -1,4 +1,4 @@
-"""Profiles in apps: selection, validation at load, degradation to fit free memory now, tuner.apps.Llama.
+"""Profiles in apps: selection, validation at load, degradation to fit free memory now, tuner.profile.apps.Llama.
 
 Every machine here is injected (``make_machine``); no test reads the real hardware or loads llama.cpp.
 """
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.test_profile import GiB, MiB, make_gguf, make_machine, profile_dict, write_profile
-from tuner.apps import Llama, check_profile, load_profile
+from tuner.profile.apps import Llama, check_profile, load_profile
 from tuner.errors import NoMatchingProfileError, ProfileMismatchError
-from tuner.fingerprint import model_fingerprint
-from tuner.hardware import GPUProcess, LlamaBuild
-from tuner.profile import (
+from tuner.model.gguf import model_fingerprint
+from tuner.machine.probe import GPUProcess, LlamaBuild
+from tuner.profile.document import (
     LlamaBuildWarning,
     Profile,
     ProfileAdjustedWarning,
@@ -316,7 +316,7 @@ def test_unified_memory_accelerators_share_the_ram(model):
     assert "CPU (RAM) has 8.00 GiB free now and would need 9.54 GiB" in loaded.degradation[0]
 
 
-# -- tuner.apps.Llama ---------------------------------------------------------------------------
+# -- tuner.profile.apps.Llama ---------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -384,8 +384,8 @@ def test_llama_without_gpu_offload_in_the_build_is_loud(model, folder, fake_llam
 
 _REAL_APP = r"""
 import json, sys, warnings
-from tuner.apps import Llama
-from tuner.hardware import probe
+from tuner.profile.apps import Llama
+from tuner.machine.probe import probe
 warnings.simplefilter("ignore")
 llm = Llama(sys.argv[1], profile=sys.argv[2], machine=probe(llama=False, rpc_servers=tuple(json.loads(sys.argv[3]))), verbose=True)
 out = llm("hello", max_tokens=4, temperature=0.0)
@@ -394,7 +394,7 @@ print(json.dumps({"tokens": out["usage"]["completion_tokens"]}))
 
 
 def _real_profile(folder: Path, model: Path, **settings) -> Path:
-    from tuner.hardware import probe
+    from tuner.machine.probe import probe
 
     here = probe(llama=False)
     document = profile_dict(here, model_fingerprint(model), **settings)
@@ -448,7 +448,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def profile_for_this_machine(tmp_path, tuner_home):
     """A tiny real model and a CPU-only profile for whatever machine runs the test."""
-    from tuner.apps import this_machine
+    from tuner.profile.apps import this_machine
     from tuner.testing import ModelShape, make_model
 
     model = make_model(tmp_path / "tiny.gguf", ModelShape(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, n_ff=128, n_vocab=320, n_ctx_train=512))
@@ -494,7 +494,7 @@ def test_app_generate_loads_the_profile_in_llama_cpp_and_generates(profile_for_t
 def test_profile_check_command_says_what_an_app_would_load(model, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from tuner.cli_profile import profile_group
+    from tuner.cli.profile import profile_group
 
     here = make_machine(free=(8 * GiB,), processes=((TRAINER,),))
     team = tmp_path / "team"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tuner.cli import cli
+from tuner.cli.main import cli
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

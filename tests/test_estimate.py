@@ -7,9 +7,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from tuner.cli import cli
-from tuner.estimate import CPU, estimate, layer_devices, max_gpu_layers
-from tuner.model import inspect
+from tuner.cli.main import cli
+from tuner.model.estimate import CPU, estimate, layer_devices, max_gpu_layers
+from tuner.model.inspect import inspect
 
 MiB = 1 << 20
 
@@ -102,8 +102,9 @@ def test_estimate_cli_inverse(models):
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_k_m", "moe"])
 def test_estimate_matches_what_llama_cpp_allocates_on_the_cpu(models, name):
-    from tuner.runner import BenchSpec, TrialRunner
-    from tuner.settings import Settings
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import TrialRunner
+    from tuner.engine.settings import Settings
 
     info = inspect(models[name])
     printed = 0.006 * MiB  # llama.cpp prints MiB with two decimals

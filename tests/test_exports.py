@@ -21,11 +21,11 @@ import pytest
 from click.testing import CliRunner
 
 from tests.test_profile import GiB, MiB, make_machine, profile_dict
-from tuner.cli_profile import profile_group
+from tuner.cli.profile import profile_group
 from tuner.errors import ProfileError, TunerError
 from tuner.testing import build_against_llama_cpp, llama_cpp_env, llama_cpp_source
-from tuner.exports import FORMATS, export_args, llama_server_env, tool_args
-from tuner.profile import Profile
+from tuner.profile.exports import FORMATS, export_args, llama_server_env, tool_args
+from tuner.profile.document import Profile
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from tuner.cli import cli
+from tuner.cli.main import cli
 from tuner.errors import EmptyModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
-from tuner.model import inspect
+from tuner.model.inspect import inspect
 
 from .conftest import MOE, TINY
 

@@ -1,4 +1,4 @@
-"""Tests for tuner.logparse: the 25 real logs against tests/logs/truth.json, plus one targeted test
+"""Tests for tuner.engine.logparse: the 25 real logs against tests/logs/truth.json, plus one targeted test
 per kind of damage a pasted log carries. Synthetic lines are written from llama.cpp's format
 strings; expected values are worked out by hand from those lines, never copied from the parser.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.logparse import LoadReport, accuracy_report, format_report, parse_log, truth_matches
+from tuner.engine.logparse import LoadReport, accuracy_report, format_report, parse_log, truth_matches
 
 MiB = 1048576
 LOGS = Path(__file__).parent / "logs"
@@ -687,7 +687,7 @@ def test_parse_log_command_reads_a_file_and_stdin() -> None:
 
     from click.testing import CliRunner
 
-    from tuner.cli import cli
+    from tuner.cli.main import cli
 
     path = LOGS / "11_early2024-cuda-partial-10of33-mixtral-imatrix.log"
     result = CliRunner().invoke(cli, ["parse-log", str(path), "--json"])

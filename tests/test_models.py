@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tuner.model import inspect
+from tuner.model.inspect import inspect
 from tuner.testing import ModelShape, make_model
 
 GENERATE = r"""

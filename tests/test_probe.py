@@ -6,8 +6,8 @@ import json
 
 from click.testing import CliRunner
 
-from tuner.cli import cli
-from tuner.hardware import GPU, GPUProcess, Machine, probe
+from tuner.cli.main import cli
+from tuner.machine.probe import GPU, GPUProcess, Machine, probe
 
 
 def test_probe_reads_this_machine():

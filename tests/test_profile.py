@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tuner.cli_profile import profile_group
+from tuner.cli.profile import profile_group
 from tuner.errors import ProfileError, ProfileValidationError, SchemaVersionError
-from tuner.hardware import GPU, GPUProcess, LlamaBuild, Machine
-from tuner.profile import (
-    SCHEMA_VERSION,
-    Profile,
-    SchemaVersionWarning,
+from tuner.machine.probe import GPU, GPUProcess, LlamaBuild, Machine
+from tuner.profile.document import SCHEMA_VERSION, Profile, SchemaVersionWarning
+from tuner.profile.store import (
     import_bundle,
     list_profiles,
     profile_search_path,
@@ -221,7 +219,7 @@ def test_round_trip_keeps_every_key():
 
 
 def test_keys_the_docstring_table_documents_are_the_keys_written():
-    import tuner.profile as module
+    import tuner.profile.document as module
 
     for key in profile_dict():
         assert f"``{key}``" in module.__doc__
@@ -514,7 +512,7 @@ def test_list_and_show(tmp_path, monkeypatch):
 
 def test_importing_the_profile_api_imports_nothing_heavy():
     code = (
-        "import sys, tuner.profile, tuner.apps, tuner.exports\n"
+        "import sys, tuner.profile.document, tuner.profile.store, tuner.profile.apps, tuner.profile.exports\n"
         "heavy = sorted(m for m in ('optuna', 'gguf', 'numpy', 'llama_cpp', 'torch') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

@@ -17,14 +17,15 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from tuner.cli import cli
-from tuner.estimate import estimate
-from tuner.hardware import probe
-from tuner.model import inspect
-from tuner.outcome import Outcome
-from tuner.rpc import free_port
-from tuner.runner import BenchSpec, run_trial
-from tuner.settings import Settings
+from tuner.cli.main import cli
+from tuner.model.estimate import estimate
+from tuner.machine.probe import probe
+from tuner.model.inspect import inspect
+from tuner.engine.outcome import Outcome
+from tuner.engine.rpc import free_port
+from tuner.engine.base import BenchSpec
+from tuner.engine.python import run_trial
+from tuner.engine.settings import Settings
 
 QUICK = BenchSpec(n_prompt=64, n_gen=4, repetitions=1)
 MiB = 1 << 20

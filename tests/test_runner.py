@@ -15,10 +15,11 @@ import psutil
 import pytest
 from click.testing import CliRunner
 
-from tuner.cli import cli
-from tuner.outcome import Outcome, classify
-from tuner.runner import BenchSpec, TrialRunner, run_trial
-from tuner.settings import Settings
+from tuner.cli.main import cli
+from tuner.engine.outcome import Outcome, classify
+from tuner.engine.base import BenchSpec
+from tuner.engine.python import TrialRunner, run_trial
+from tuner.engine.settings import Settings
 from tuner.testing import ModelShape, make_model
 
 QUICK = BenchSpec(n_prompt=64, n_gen=8, repetitions=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tuner.errors import SettingsError
-from tuner.settings import Settings
+from tuner.engine.settings import Settings
 
 
 def test_defaults_are_valid():

@@ -1,4 +1,4 @@
-"""The tune loop's search logic, with the scripted engine (tuner.fake) standing in for llama.cpp.
+"""The tune loop's search logic, with the scripted engine (tuner.engine.fake) standing in for llama.cpp.
 
 The real engine is exercised by test_tune_real.py and the runner's own tests.
 """
@@ -9,14 +9,15 @@ import json
 
 import pytest
 
-from tuner.estimate import estimate
-from tuner.fake import ScriptedRunner
-from tuner.hardware import LlamaBuild, Machine
-from tuner.model import inspect
-from tuner.outcome import Outcome
-from tuner.profile import Profile, read_profile
-from tuner.space import Device, build_space
-from tuner.study import Tuner, tune
+from tuner.model.estimate import estimate
+from tuner.engine.fake import ScriptedRunner
+from tuner.machine.probe import LlamaBuild, Machine
+from tuner.model.inspect import inspect
+from tuner.engine.outcome import Outcome
+from tuner.profile.document import Profile
+from tuner.profile.store import read_profile
+from tuner.search.space import Device, build_space
+from tuner.search.study import Tuner, tune
 
 MiB = 1 << 20
 RPC = "RPC0[127.0.0.1:50052]"

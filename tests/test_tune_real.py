@@ -7,10 +7,10 @@ import json
 
 from click.testing import CliRunner
 
-from tuner.cli import cli
-from tuner.estimate import CPU
-from tuner.profile import Profile
-from tuner.study import Tuner
+from tuner.cli.main import cli
+from tuner.model.estimate import CPU
+from tuner.profile.document import Profile
+from tuner.search.study import Tuner
 from tuner.testing import ModelShape, make_model
 
 MiB = 1 << 20

@@ -17,7 +17,7 @@
         ├── NoMatchingProfileError no profile for this model on this machine
         └── ProfileMismatchError   the profile does not fit this model file / this machine now
 
-Trial outcomes (oom, crash, timeout, ...) are not exceptions: see ``tuner.outcome``.
+Trial outcomes (oom, crash, timeout, ...) are not exceptions: see ``tuner.engine.outcome``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``offload-tuner profile ...``: list, show, check, export arguments, share bundles.
 
-Thin: parse, call ``tuner.profile`` / ``tuner.apps`` / ``tuner.exports``, print. Domain errors become
+Thin: parse, call ``tuner.profile.document`` / ``tuner.profile.apps`` / ``tuner.profile.exports``, print. Domain errors become
 ``click.ClickException`` with a message a person can act on. Tests pass ``obj={"machine": Machine}``
 to inject the machine; without it, commands that need one probe this machine.
 """
@@ -14,19 +14,11 @@ from typing import Any
 
 import click
 
-from .errors import TunerError
-from .exports import FORMATS, export_args
-from .paths import ENV_PROFILE_PATH, profiles_dir
-from .profile import (
-    Profile,
-    ProfileWarning,
-    format_bytes,
-    import_bundle,
-    list_profiles,
-    profile_search_path,
-    resolve_profile,
-    write_bundle,
-)
+from ..errors import TunerError
+from ..profile.exports import FORMATS, export_args
+from ..paths import ENV_PROFILE_PATH, profiles_dir
+from ..profile.document import Profile, ProfileWarning, format_bytes
+from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, write_bundle
 
 profile_group = click.Group(
     "profile",
@@ -46,7 +38,7 @@ def _machine(ctx: click.Context) -> Any:
     obj = ctx.obj if isinstance(ctx.obj, dict) else {}
     if obj.get("machine") is not None:
         return obj["machine"]
-    from .apps import this_machine
+    from ..profile.apps import this_machine
 
     return this_machine()
 
@@ -234,7 +226,7 @@ def check_command(ctx: click.Context, model_path: str, strict: bool) -> None:
 
         offload-tuner profile check ~/models/Qwen3-8B-Q4_K_M.gguf
     """
-    from .apps import load_profile
+    from ..profile.apps import load_profile
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileWarning)

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .model import ModelInfo
-from .settings import Settings
+from ..model.inspect import ModelInfo
+from ..engine.settings import Settings
 
 # Tensor placement strategies (llama.cpp's -ot PATTERN=CPU): which tensors of the first k
 # repeating layers stay on the host while the rest of the layer is offloaded.
@@ -185,7 +185,7 @@ class SearchSpace:
 def _counts_from_split(n_layer: int, ngl: int, split: Sequence[float] | None, n_devices: int) -> list[int]:
     """Offloaded layers (output included) per device under llama.cpp's cumulative split rule,
     for all devices but the last (which takes the rest)."""
-    from .estimate import layer_devices
+    from ..model.estimate import layer_devices
 
     names = [f"dev{i}" for i in range(n_devices)]
     placement = layer_devices(n_layer, ngl, names, split)
@@ -265,8 +265,8 @@ def build_space(
 
 
 def rpc_devices_from(report: Sequence[Mapping[str, Any]]) -> list[Device]:
-    """Devices from ``tuner.rpc.query_devices``; a server that did not answer is an error."""
-    from .errors import RPCError
+    """Devices from ``tuner.engine.rpc.query_devices``; a server that did not answer is an error."""
+    from ..errors import RPCError
 
     out = []
     for entry in report:

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import ModelNotFoundError, NotGGUFError, TruncatedGGUFError
+from ..errors import ModelNotFoundError, NotGGUFError, TruncatedGGUFError
 
 GGUF_MAGIC = b"GGUF"
 # gguf value types (ggml/include/gguf.h, enum gguf_type) -> struct format of a scalar

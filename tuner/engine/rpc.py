@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import RPCError
-from .process import cap_address_space, kill_group
+from ..errors import RPCError
+from .process import cap_address_space, kill_group, project_pythonpath
 
 MiB = 1 << 20
 _LIVE: set["RPCServer"] = set()
@@ -67,9 +67,7 @@ class RPCServer:
         return f"{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> "RPCServer":
-        from .runner import _project_pythonpath
-
-        cmd = [sys.executable, "-m", "tuner.rpc", "--host", self.host, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "tuner.engine.rpc", "--host", self.host, "--port", str(self.port)]
         if self.memory_limit:
             cmd += ["--memory-limit-bytes", str(int(self.memory_limit))]
         if self.threads:
@@ -77,7 +75,7 @@ class RPCServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                         env=_project_pythonpath(dict(os.environ)), start_new_session=True)
+                                         env=project_pythonpath(dict(os.environ)), start_new_session=True)
         finally:
             if log is not subprocess.DEVNULL:
                 log.close()
@@ -161,8 +159,8 @@ def register_servers(endpoints: Iterable[str]) -> list[str]:
 _QUERY = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from tuner.rpc import register_servers
-from tuner.ggml import list_devices
+from tuner.engine.rpc import register_servers
+from tuner.engine.ggml import list_devices
 register_servers(sys.argv[2].split(","))
 print(json.dumps(list_devices()))
 """
@@ -219,7 +217,7 @@ def serve(host: str, port: int, memory_limit: int | None, threads: int | None) -
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tuner.rpc", description="Run a llama.cpp RPC server for this CPU.")
+    parser = argparse.ArgumentParser(prog="python -m tuner.engine.rpc", description="Run a llama.cpp RPC server for this CPU.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--memory-limit-bytes", type=int, default=None)

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import click
 
-from . import __version__
-from .errors import TunerError
+from .. import __version__
+from ..errors import TunerError
 
 MiB = 1 << 20
 
@@ -68,7 +68,7 @@ def inspect_cmd(model: str, as_json: bool) -> None:
     Example:
       offload-tuner inspect model-Q4_K_M.gguf --json
     """
-    from .model import describe, inspect
+    from ..model.inspect import describe, inspect
 
     info = inspect(model)
     _emit(as_json, info.to_dict(), lambda: describe(info))
@@ -104,8 +104,8 @@ def estimate_cmd(model: str, n_gpu_layers: int | None, n_ctx: int, kv_type: str,
       offload-tuner estimate model.gguf --n-gpu-layers 20 --ctx 8192 --kv-type q8_0
       offload-tuner estimate model.gguf --free 8000 --ctx 8192      # most layers that fit
     """
-    from .estimate import estimate, format_estimate, max_gpu_layers
-    from .model import inspect
+    from ..model.estimate import estimate, format_estimate, max_gpu_layers
+    from ..model.inspect import inspect
 
     info = inspect(model)
     split = _floats(tensor_split)
@@ -140,7 +140,7 @@ def probe_cmd(rpc: str | None, as_json: bool) -> None:
     Example:
       offload-tuner probe --json
     """
-    from .hardware import probe
+    from ..machine.probe import probe
 
     servers = tuple(s for s in (rpc or "").split(",") if s)
     machine = probe(rpc_servers=servers)
@@ -205,7 +205,7 @@ def settings_options(fn: Callable) -> Callable:
 
 
 def settings_from_options(model: str, opts: dict[str, Any]) -> Any:
-    from .settings import Settings
+    from ..engine.settings import Settings
 
     overrides = tuple(p[:-4] if p.upper().endswith("=CPU") else p for p in opts.pop("tensor_overrides", ()))
     rpc = opts.pop("rpc", None)
@@ -251,8 +251,9 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
     Example:
       offload-tuner bench model.gguf -ngl 20 -c 8192 -fa on -p 512 -n 128 -r 5
     """
-    from .fingerprint import check_path, header_info
-    from .runner import BenchSpec, run_trial
+    from ..model.gguf import check_path, header_info
+    from ..engine.base import BenchSpec
+    from ..engine.python import run_trial
 
     check_path(model)
     header_info(model)  # a bad file is a clear error here, not a trial outcome
@@ -270,7 +271,7 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
 
 
 def format_result(r: Any) -> str:
-    from .logparse import format_report
+    from ..engine.logparse import format_report
 
     s = r.settings
     head = (f"{Path(s.model_path).name} ngl={s.n_gpu_layers} ctx={s.n_ctx} b={s.n_batch} ub={s.n_ubatch} "
@@ -300,7 +301,7 @@ def parse_log_cmd(file: Any, as_json: bool) -> None:
       offload-tuner parse-log server.log
       llama-cli -m model.gguf -ngl 99 2>&1 | offload-tuner parse-log -
     """
-    from .logparse import format_report, parse_log
+    from ..engine.logparse import format_report, parse_log
 
     report = parse_log(file.read())
     _emit(as_json, report.to_dict(), lambda: format_report(report))
@@ -404,12 +405,12 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
       offload-tuner tune model-Q4_K_M.gguf --variant model-Q5_K_M.gguf --min-ctx 8192 --trials 30
       offload-tuner tune model.gguf --variant ./quants/ --objective mixed --time-budget 1800
     """
-    from .study import tune
+    from ..search.study import tune
 
     if demo:
         if model:
             raise click.UsageError("give MODEL or --demo, not both")
-        from .testing import demo_models
+        from ..model.make import demo_models
 
         if not (quiet or as_json):
             click.echo("making the demo model (random weights, real llama.cpp quantizations)...", err=True)
@@ -465,7 +466,7 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
       offload-tuner rpc-serve --port 50052 --memory-limit 200 &
       offload-tuner bench model.gguf --rpc 127.0.0.1:50052 -ngl 99
     """
-    from .rpc import serve
+    from ..engine.rpc import serve
 
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: serving on {host}: anyone who can reach this port can use (and write into) this "
@@ -478,7 +479,7 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
 
 def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
-    from .cli_profile import profile_group
+    from .profile import profile_group
 
     cli.add_command(profile_group)
 

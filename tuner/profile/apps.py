@@ -42,24 +42,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from .errors import NoMatchingProfileError, ProfileMismatchError
-from .fingerprint import model_fingerprint
-from .profile import (
+from ..errors import NoMatchingProfileError, ProfileMismatchError
+from ..model.gguf import model_fingerprint
+from .document import (
     LlamaBuildWarning,
     Profile,
     ProfileAdjustedWarning,
     ProfileDegradedWarning,
     ProfileWarning,
-    SearchPath,
     describe_gpus,
     format_bytes,
-    list_profiles,
-    profile_search_path,
-    read_profile,
 )
+from .store import SearchPath, list_profiles, profile_search_path, read_profile
 
 if TYPE_CHECKING:
-    from .hardware import GPU, Machine
+    from ..machine.probe import GPU, Machine
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -122,7 +119,7 @@ def this_machine() -> "Machine":
     """This machine, without starting llama.cpp: the llama-cpp-python version comes from its metadata."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .hardware import LlamaBuild, probe
+    from ..machine.probe import LlamaBuild, probe
 
     machine = probe(llama=False)
     try:
@@ -239,7 +236,7 @@ def _check(
 
 
 def _with_rpc_devices(machine: "Machine", servers: tuple[str, ...]) -> "Machine":
-    from .rpc import query_devices
+    from ..engine.rpc import query_devices
 
     try:
         return dataclasses.replace(machine, rpc_devices=tuple(query_devices(servers)))
@@ -527,11 +524,11 @@ def Llama(
     settings = profile.settings
     applied: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if settings.tensor_overrides:
-        from .overrides import tensor_overrides_applied
+        from ..engine.overrides import tensor_overrides_applied
 
         applied = tensor_overrides_applied(settings.tensor_overrides)
     if settings.rpc_servers:
-        from .rpc import register_servers
+        from ..engine.rpc import register_servers
 
         register_servers(settings.rpc_servers)
 

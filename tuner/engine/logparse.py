@@ -1077,12 +1077,12 @@ def accuracy_report(logs_dir: Any, *, out: Any = None) -> dict[str, tuple[int, i
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tuner.logparse [--json] FILE...`` or ``python -m tuner.logparse --accuracy DIR``."""
+    """``python -m tuner.engine.logparse [--json] FILE...`` or ``python -m tuner.engine.logparse --accuracy DIR``."""
     import argparse
     import json
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m tuner.logparse", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tuner.engine.logparse", description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*", help="log files ('-' for stdin)")
     ap.add_argument("--json", action="store_true", help="print LoadReport.to_dict() as JSON")
     ap.add_argument("--accuracy", metavar="DIR", help="per-field accuracy over DIR/truth.json")

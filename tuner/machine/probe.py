@@ -296,7 +296,7 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = ()) -> Machine:
     memory = psutil.virtual_memory()
     rpc_devices: tuple[dict, ...] = ()
     if rpc_servers:
-        from .rpc import query_devices
+        from ..engine.rpc import query_devices
 
         rpc_devices = tuple(query_devices(rpc_servers))
     return Machine(

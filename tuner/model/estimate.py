@@ -25,8 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from .errors import SettingsError
-from .model import KV_TYPE_BLOCKS, ModelInfo
+from ..errors import SettingsError
+from .inspect import KV_TYPE_BLOCKS, ModelInfo
 
 CPU = "CPU"
 MiB = 1 << 20

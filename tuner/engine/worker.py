@@ -1,4 +1,4 @@
-"""The trial worker: the only process that imports llama_cpp. Run as ``python -m tuner.worker``.
+"""The trial worker: the only process that imports llama_cpp. Run as ``python -m tuner.engine.worker``.
 
 The runner starts it in a new process group with fd 2 redirected to a log file, and talks to it
 in JSON lines: one request per trial on stdin, one reply on a private copy of stdout (fd 1 itself
@@ -26,9 +26,8 @@ import time
 import traceback
 from typing import Any
 
+from .process import LOG_MARK
 from .settings import MODEL_KEYS
-
-LOG_MARK = "offload-tuner:"
 
 
 def _log(text: str) -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import os
 import shlex
 
-from .errors import ProfileError
-from .profile import Profile
-from .settings import CLI_TOOLS
+from ..errors import ProfileError
+from .document import Profile
+from ..engine.settings import CLI_TOOLS
 
 FORMATS = (*CLI_TOOLS, "ollama", "env")
 

@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import SettingsError
+from ..errors import SettingsError
 
 # llama.cpp's KV cache types (common/arg.cpp ``kv_cache_types``), by the name -ctk/-ctv take,
 # with the ggml_type enum value llama_context_params.type_k/type_v take.
@@ -192,7 +192,7 @@ class Settings:
 
         Two settings have no ``Llama`` keyword and are left out: ``tensor_overrides`` (set
         ``llama_model_params.tensor_buft_overrides`` through ctypes, as the trial worker does)
-        and ``rpc_servers`` (register the devices before loading; ``tuner.rpc`` does it).
+        and ``rpc_servers`` (register the devices before loading; ``tuner.engine.rpc`` does it).
         ``flash_attn="auto"`` maps to ``False``: the high-level API offers only on and off.
         """
         kwargs: dict[str, Any] = {

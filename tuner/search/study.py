@@ -25,14 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from .errors import ModelError, SettingsError, StudyError
-from .estimate import CPU, MemoryEstimate, estimate, max_gpu_layers
-from .hardware import Machine, probe
-from .model import ModelInfo, inspect
-from .outcome import Outcome
-from .paths import studies_dir
-from .runner import BenchSpec, Stats, TrialResult, TrialRunner
-from .settings import Settings
+from ..errors import ModelError, SettingsError, StudyError
+from ..model.estimate import CPU, MemoryEstimate, estimate, max_gpu_layers
+from ..machine.probe import Machine, probe
+from ..model.inspect import ModelInfo, inspect
+from ..engine.outcome import Outcome
+from ..paths import studies_dir
+from ..engine.base import BenchSpec, Stats, TrialResult
+from ..engine.python import TrialRunner
+from ..engine.settings import Settings
 from .space import Device, SearchSpace, build_space, rpc_devices_from
 
 MiB = 1 << 20
@@ -554,7 +555,7 @@ class Tuner:
                           rejected=self.rejected)
 
     def _profile(self, best: dict[str, Any], runner_up: dict[str, Any] | None, counts: dict[str, int]) -> Any:
-        from .profile import tool_version, utc_now
+        from ..profile.document import tool_version, utc_now
 
         s: Settings = best["settings"]
         info = self.models[s.model_path]
@@ -655,7 +656,7 @@ def _redact(url: str) -> str:
 
 
 def _build_profile(data: dict[str, Any], machine: Machine) -> Any:
-    from .profile import LlamaBuildInfo, MachineInfo, Profile
+    from ..profile.document import LlamaBuildInfo, MachineInfo, Profile
 
     m = MachineInfo.from_machine(machine)
     b = LlamaBuildInfo.from_build(machine.llama)

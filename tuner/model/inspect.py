@@ -4,7 +4,7 @@
 ``ModelInfo``: the architecture's hyperparameters, bytes per repeating layer split by role
 (attention, FFN, MoE experts, norms), the non-repeating tensors (token embedding, output head
 and norm), and KV cache bytes per token for each KV cache type. The memory arithmetic
-(``tuner.estimate``) stands on it.
+(``tuner.model.estimate``) stands on it.
 
 Split models (``name-00001-of-00003.gguf``) are read part by part.
 """
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EmptyModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
-from .fingerprint import check_path, combined_hash, header_info, split_parts
+from ..errors import EmptyModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
+from .gguf import check_path, combined_hash, header_info, split_parts
 
 # ggml type -> (block size, bytes per block): ggml/src/ggml.c type_traits. Used for the KV cache.
 KV_TYPE_BLOCKS: dict[str, tuple[int, int]] = {

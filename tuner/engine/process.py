@@ -1,10 +1,14 @@
-"""Child-process helpers shared by the trial worker and the RPC servers."""
+"""Child-process helpers shared by the trial runner, the worker and the RPC servers."""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+from pathlib import Path
+
+# The worker's own lines in llama.cpp's log (trial and context boundaries) start with this.
+LOG_MARK = "offload-tuner:"
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -45,3 +49,12 @@ def cap_address_space(limit: int) -> int:
     cap = vm_size() + int(limit)
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     return cap
+
+
+def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this package's folder first on PYTHONPATH, so ``python -m tuner...`` children
+    import the same tuner as their parent."""
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    parts = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
+    return env

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from .estimate import CPU, estimate
+from ..model.estimate import CPU, estimate
 from .logparse import LoadReport
-from .model import ModelInfo
+from ..model.inspect import ModelInfo
 from .outcome import Outcome
-from .runner import BenchSpec, Stats, TrialResult
+from .base import BenchSpec, Stats, TrialResult
 from .settings import Settings
 
 

@@ -1,0 +1,1 @@
+"""This machine: CPU, RAM, GPUs, unified memory and the llama.cpp builds found (``probe``)."""

@@ -1,0 +1,307 @@
+"""Real GGUF models made on the spot: random weights, any shape, a tokenizer llama.cpp accepts.
+
+Speed on random weights equals speed on trained weights of the same shape and quantization
+(llama.cpp does the same arithmetic either way), so these are honest models to tune on. Tests
+and the demo use them; nothing is downloaded.
+
+    path = make_model("/tmp/m.gguf", ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2))
+    q8 = quantize(path, "/tmp/m-q8_0.gguf", "Q8_0")       # llama.cpp's own quantizer
+
+Quantization runs llama.cpp's ``llama_model_quantize`` in a child process, so the caller never
+imports llama_cpp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import TunerError
+
+# llama_ftype values (include/llama.h) for the quantizations worth making here.
+FTYPES: dict[str, int] = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q2_K": 10,
+    "Q3_K_S": 11,
+    "Q3_K_M": 12,
+    "Q3_K_L": 13,
+    "Q4_K_S": 14,
+    "Q4_K_M": 15,
+    "Q5_K_S": 16,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+    "IQ4_NL": 25,
+    "IQ4_XS": 30,
+    "BF16": 32,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a llama-architecture model. ``n_expert > 0`` makes a mixture of experts."""
+
+    n_layer: int = 4
+    n_embd: int = 256
+    n_head: int = 4
+    n_head_kv: int = 4
+    n_ff: int = 512
+    n_vocab: int = 512
+    n_ctx_train: int = 4096
+    n_expert: int = 0
+    n_expert_used: int = 0
+    name: str = "offload-tuner test model"
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
+        if self.n_head % self.n_head_kv:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_head_kv ({self.n_head_kv})")
+        if self.n_vocab < 300:
+            raise ValueError(f"n_vocab ({self.n_vocab}) must be at least 300 (3 special + 256 byte tokens + some words)")
+        if self.n_expert and not 0 < self.n_expert_used <= self.n_expert:
+            raise ValueError("an MoE model needs 0 < n_expert_used <= n_expert")
+        if (self.n_embd // self.n_head) % 2:
+            raise ValueError("the head size (n_embd / n_head) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# The demo model: big enough that offload and thread choices show up in tokens/sec on 2 cores,
+# small enough that a tune over two quantizations finishes in minutes. Widths are multiples of
+# 256 so the k-quants (Q4_K_M...) apply to every matrix.
+DEMO_SHAPE = ModelShape(
+    n_layer=8, n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_vocab=8192, n_ctx_train=8192, name="offload-tuner demo"
+)
+
+
+def _vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style ("llama") vocabulary: specials, the 256 byte tokens, then words."""
+    # gguf token types (gguf-py/gguf/constants.py TokenType): NORMAL=1, UNKNOWN=2, CONTROL=3, BYTE=6
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words: list[str] = ["\u2581"] + [f"\u2581{c}" for c in letters] + list(letters)
+    i = 0
+    while len(tokens) + len(words) < n_vocab:
+        a, b = divmod(i, 26 * 26)
+        words.append("\u2581" + letters[b // 26] + letters[b % 26] + (letters[a % 26] * (1 + a // 26) if a else ""))
+        i += 1
+    tokens += words[: n_vocab - len(tokens)]
+    types += [1] * (n_vocab - len(types))
+    scores = [0.0] * 259 + [-float(i) for i in range(n_vocab - 259)]
+    return tokens, scores, types
+
+
+def make_model(
+    path: str | os.PathLike[str],
+    shape: ModelShape = ModelShape(),
+    *,
+    seed: int = 0,
+    dtype: str = "F16",
+    split_max_tensors: int = 0,
+) -> Path:
+    """Write a llama-architecture GGUF with random weights that llama.cpp loads and runs.
+
+    ``split_max_tensors > 0`` writes a split model (``NAME-00001-of-0000N.gguf`` beside ``path``)
+    and returns its first part.
+    """
+    import gguf
+    import numpy as np
+
+    if dtype not in ("F16", "F32"):
+        raise ValueError("dtype must be F16 or F32 (quantize() makes the rest)")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    np_dtype = np.float16 if dtype == "F16" else np.float32
+    s = shape
+    arch = "llama"
+    # Written under a temporary name and renamed, so a half-written model is never mistaken
+    # for a whole one (a split model is written in place: its part names are fixed).
+    tmp = out if split_max_tensors else out.with_name(out.name + ".part")
+    writer = gguf.GGUFWriter(str(tmp), arch, split_max_tensors=split_max_tensors)
+    writer.add_name(s.name)
+    writer.add_block_count(s.n_layer)
+    writer.add_context_length(s.n_ctx_train)
+    writer.add_embedding_length(s.n_embd)
+    writer.add_feed_forward_length(s.n_ff)
+    writer.add_head_count(s.n_head)
+    writer.add_head_count_kv(s.n_head_kv)
+    writer.add_rope_dimension_count(s.head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(s.n_vocab)
+    writer.add_file_type(FTYPES[dtype])
+    if s.n_expert:
+        writer.add_expert_count(s.n_expert)
+        writer.add_expert_used_count(s.n_expert_used)
+    tokens, scores, types = _vocab(s.n_vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+    def weight(*shape_: int) -> "np.ndarray":
+        # numpy shape is (rows, cols) = ggml's ne reversed; std 0.02 keeps activations finite.
+        return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np_dtype)
+
+    def norm(n: int) -> "np.ndarray":
+        return np.ones(n, dtype=np.float32)  # 1-d tensors stay F32, as converters write them
+
+    q_dim, kv_dim = s.n_head * s.head_dim, s.n_head_kv * s.head_dim
+    writer.add_tensor("token_embd.weight", weight(s.n_vocab, s.n_embd))
+    for i in range(s.n_layer):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", norm(s.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", weight(q_dim, s.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", weight(kv_dim, s.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weight(kv_dim, s.n_embd))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weight(s.n_embd, q_dim))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm(s.n_embd))
+        if s.n_expert:
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((s.n_expert, s.n_embd), dtype=np.float32) * 0.02))
+            writer.add_tensor(f"blk.{i}.ffn_gate_exps.weight", weight(s.n_expert, s.n_ff, s.n_embd))
+            writer.add_tensor(f"blk.{i}.ffn_up_exps.weight", weight(s.n_expert, s.n_ff, s.n_embd))
+            writer.add_tensor(f"blk.{i}.ffn_down_exps.weight", weight(s.n_expert, s.n_embd, s.n_ff))
+        else:
+            writer.add_tensor(f"blk.{i}.ffn_gate.weight", weight(s.n_ff, s.n_embd))
+            writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(s.n_ff, s.n_embd))
+            writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(s.n_embd, s.n_ff))
+    writer.add_tensor("output_norm.weight", norm(s.n_embd))
+    writer.add_tensor("output.weight", weight(s.n_vocab, s.n_embd))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if split_max_tensors:
+        from .gguf import split_parts
+
+        count = len(writer.tensors)
+        first = out.with_name(f"{out.stem}-00001-of-{count:05d}.gguf") if count > 1 else out
+        return split_parts(first)[0]
+    os.replace(tmp, out)
+    return out
+
+
+_QUANTIZE_SCRIPT = r"""
+import json, sys
+import llama_cpp
+src, dst, ftype, nthread = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = ftype
+params.nthread = nthread
+rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
+sys.exit(0 if rc == 0 else 3)
+"""
+
+
+def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str = "Q8_0", *, nthread: int = 0) -> Path:
+    """Quantize ``src`` into ``dst`` with llama.cpp's own quantizer (``llama_model_quantize``)."""
+    qtype = qtype.upper()
+    if qtype not in FTYPES:
+        raise ValueError(f"unknown quantization {qtype!r}; known: {', '.join(FTYPES)}")
+    out = Path(dst)
+    tmp = out.with_name(out.name + ".part")
+    proc = subprocess.run(
+        [sys.executable, "-c", _QUANTIZE_SCRIPT, str(src), str(tmp), str(FTYPES[qtype]), str(nthread)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0 or not tmp.exists():
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise TunerError(f"llama.cpp could not quantize {src} to {qtype} (exit {proc.returncode}): {tail}")
+    os.replace(tmp, out)
+    return out
+
+
+def demo_models(folder: str | os.PathLike[str] | None = None, quants: tuple[str, ...] = ("Q8_0", "Q4_K_M")) -> list[Path]:
+    """The demo model in each of ``quants``, made once and kept in the data folder."""
+    from ..paths import models_dir
+
+    base = Path(folder) if folder else models_dir() / "demo"
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = base / "shape.json"
+    wanted = json.dumps(dataclasses.asdict(DEMO_SHAPE), sort_keys=True)
+    if not stamp.exists() or stamp.read_text() != wanted:
+        for old in base.glob("*.gguf"):
+            old.unlink()
+    f16 = base / "demo-F16.gguf"
+    if not f16.exists():
+        make_model(f16, DEMO_SHAPE)
+    out = []
+    for q in quants:
+        target = base / f"demo-{q}.gguf"
+        if not target.exists():
+            quantize(f16, target, q)
+        out.append(target)
+    stamp.write_text(wanted)
+    return out
+
+
+def llama_cpp_source() -> Path | None:
+    """The llama.cpp sources matching the installed llama-cpp-python: ``LLAMA_CPP_SOURCE``, or an
+    unpacked llama-cpp-python sdist in the temp folder. None if neither is there."""
+    import glob
+    import tempfile
+
+    candidates = [os.environ.get("LLAMA_CPP_SOURCE", "")]
+    candidates += sorted(glob.glob(os.path.join(tempfile.gettempdir(), "llama_cpp_python-*", "vendor", "llama.cpp")))
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "common" / "arg.h").is_file():
+            return Path(candidate)
+    return None
+
+
+def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, source: Path, optimize: str = "-O2") -> Path:
+    """Compile a C++ program (llama-bench, a test harness) against the llama.cpp libraries that
+    llama-cpp-python installed (``libllama``, ``libggml*``, ``libllama-common``).
+
+    Raises ``TunerError`` saying what is missing when a compiler or a library is not there."""
+    import shutil
+    import sysconfig
+
+    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise TunerError("no C++ compiler (g++ or c++) on PATH")
+    if not (libdir / "libllama-common.so").exists():
+        raise TunerError(f"{libdir / 'libllama-common.so'} is missing (llama-cpp-python installs it with llama.cpp's common library)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    include = [f"-I{source / d}" for d in ("common", "include", "ggml/include", "vendor")]
+    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{libdir}"]
+    binary = out_dir / target
+    extra = sorted({f"-I{p.parent}" for p in sources})
+    proc = subprocess.run([compiler, "-std=c++17", optimize, *include, *extra, *map(str, sources), "-o", str(binary), *link],
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise TunerError(f"could not build {target} against {source}: {proc.stderr[-2000:]}")
+    return binary
+
+
+def llama_cpp_env() -> dict[str, str]:
+    """Environment for programs built by ``build_against_llama_cpp``: libllama-common's own
+    dependencies are found through the library path, not its rpath."""
+    import sysconfig
+
+    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    return {k: v for k, v in env.items() if not k.startswith("LLAMA_ARG_")}

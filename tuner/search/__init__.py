@@ -1,0 +1,1 @@
+"""What to try and in what order: the search space and the Optuna study."""
