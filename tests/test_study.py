@@ -117,7 +117,7 @@ def test_candidates_predicted_not_to_fit_are_not_launched(models):
                   rpc_servers=("127.0.0.1:50052",), on_event=events.append, **kwargs())
     tuner.run()
     for s in engine.launched:
-        est = tuner.estimate_for(s)
+        est = tuner.candidates.estimate(s)
         assert est.devices[RPC].total <= free
     pruned = [e for e in events if e["kind"] == "pruned"]
     assert pruned and all("predicted not to fit" in e["reason"] or "learned" in e["reason"] for e in pruned)
@@ -132,19 +132,19 @@ def test_out_of_memory_is_learned_and_not_repeated(models):
     tuner = Tuner(str(models["q8_0"]), trials=15, machine=machine(rpc_free=8 << 30), engine=engine,
                   rpc_servers=("127.0.0.1:50052",), on_event=events.append, **kwargs())
     result = tuner.run()
-    ooms = [s for s in engine.launched if tuner.estimate_for(s).devices[RPC].total > cap]
+    ooms = [s for s in engine.launched if tuner.candidates.estimate(s).devices[RPC].total > cap]
     # after the first OOM nothing needing as much or more on that device is launched
-    first_oom = next(i for i, s in enumerate(engine.launched) if tuner.estimate_for(s).devices[RPC].total > cap)
-    threshold = tuner.estimate_for(engine.launched[first_oom]).devices[RPC].total
+    first_oom = next(i for i, s in enumerate(engine.launched) if tuner.candidates.estimate(s).devices[RPC].total > cap)
+    threshold = tuner.candidates.estimate(engine.launched[first_oom]).devices[RPC].total
     for s in engine.launched[first_oom + 1:]:
-        assert tuner.estimate_for(s).devices[RPC].total < threshold
+        assert tuner.candidates.estimate(s).devices[RPC].total < threshold
     # every later candidate at or past the boundary was pruned with the reason, not launched
     for e in events:
         if e["kind"] == "pruned" and e["reason"].startswith("learned"):
             assert "ran out of memory" in e["reason"]
     # OOM is a constraint, not a score: no trial value is 0, and the winner fits
     assert result.counts["oom"] == len(ooms) >= 1
-    assert tuner.estimate_for(tuner.space.settings(**_from(result.best["settings"], tuner))).devices[RPC].total <= cap
+    assert tuner.candidates.estimate(tuner.space.settings(**_from(result.best["settings"], tuner))).devices[RPC].total <= cap
 
 
 def test_learned_thresholds_block_bigger_candidates(models):
@@ -154,9 +154,10 @@ def test_learned_thresholds_block_bigger_candidates(models):
                   rpc_servers=("127.0.0.1:50052",), **kwargs())
     small, big = (tuner.space.settings(variant=info.path, n_gpu_layers=n, n_ctx=512, kv="f16", flash_attn="on", threads=4,
                                        n_ubatch=512, n_batch=512) for n in (2, 4))
-    threshold = tuner.estimate_for(big).devices[RPC].total
-    assert tuner.check(small, tuner.estimate_for(small), {RPC: threshold}) is None
-    reason = tuner.check(big, tuner.estimate_for(big), {RPC: threshold})
+    threshold = tuner.candidates.estimate(big).devices[RPC].total
+    tuner.candidates.remember_oom(RPC, threshold)
+    assert tuner.candidates.check(small, tuner.candidates.estimate(small)) is None
+    reason = tuner.candidates.check(big, tuner.candidates.estimate(big))
     assert reason.startswith(f"learned: a placement needing {threshold / MiB:.0f} MiB on {RPC} ran out of memory")
 
 

@@ -54,7 +54,7 @@ def test_tune_finds_where_a_capped_device_runs_out_and_stays_below(tmp_path, rpc
     assert boundary < min(oom)  # everything that fit lies below everything that did not
     # once an OOM is known, nothing needing as much on that device is launched
     first = next(i for i, l in enumerate(launched) if outcomes[l["number"]]["outcome"] == "oom")
-    need = lambda l: tuner.estimate_for(tuner.space.settings(  # noqa: E731
+    need = lambda l: tuner.candidates.estimate(tuner.space.settings(  # noqa: E731
         variant=l["settings"]["model_path"], n_gpu_layers=l["settings"]["n_gpu_layers"], n_ctx=512, kv="f16",
         flash_attn="on", threads=2, n_ubatch=512, n_batch=512)).devices[device].total
     threshold = need(launched[first])

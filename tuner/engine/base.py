@@ -9,6 +9,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..model.estimate import CPU
 from .logparse import LoadReport, parse_log
 from .outcome import Outcome
 from .settings import Settings
@@ -83,6 +84,19 @@ class TrialResult:
     @property
     def ok(self) -> bool:
         return self.outcome is Outcome.OK
+
+    def actual_memory(self) -> dict[str, dict[str, int]]:
+        """Per device, what llama.cpp allocated: ``{device: {weights, kv, compute}}`` in bytes, the
+        host's buffer labels (``CPU_Mapped``, ``CUDA_Host``, ``AMX``...) folded into ``CPU``."""
+        out: dict[str, dict[str, int]] = {}
+        for label, size in self.load.model_buffers.items():
+            device = CPU if label.startswith("CPU") or label in ("AMX", "CUDA_Host") else label
+            out.setdefault(device, {"weights": 0, "kv": 0, "compute": 0})["weights"] += size
+        for kind, buffers in (("kv", self.load.kv_buffers), ("compute", self.load.compute_buffers)):
+            for label, size in buffers.items():
+                device = CPU if label.startswith("CPU") or label == "CUDA_Host" else label
+                out.setdefault(device, {"weights": 0, "kv": 0, "compute": 0})[kind] += size
+        return out
 
     def to_dict(self, *, include_log: bool = False) -> dict[str, Any]:
         out = {

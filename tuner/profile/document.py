@@ -304,6 +304,54 @@ class Profile:
             )
         return profile
 
+    @classmethod
+    def from_tuning(
+        cls,
+        *,
+        machine: "Machine",
+        model: Mapping[str, Any],
+        settings: Settings,
+        min_ctx: int,
+        objective: str,
+        measured: Mapping[str, Any],
+        memory: Mapping[str, Any],
+        sizing: Mapping[str, Any],
+        layers_offloaded: int | None,
+        layers_total: int,
+        trials: Mapping[str, int],
+        runner_up: Mapping[str, Any] | None = None,
+        study: Mapping[str, Any] | None = None,
+    ) -> "Profile":
+        """The profile of a finished tune, validated as a reader will read it. The schema version,
+        the tool version and the time are this module's to set.
+
+        ``model`` is ``ModelInfo.fingerprint()``; ``measured`` is ``{pp, tg, n_prompt, n_gen, depth}``
+        with ``Stats`` dicts; ``memory`` is ``{predicted, actual}`` per device; ``sizing`` as the
+        document's ``sizing``; ``study`` is ``{name, storage}`` with any password already removed.
+        """
+        machine_info = MachineInfo.from_machine(machine)
+        build = LlamaBuildInfo.from_build(machine.llama)
+        data = {
+            "schema_version": SCHEMA_VERSION,
+            "tool_version": tool_version(),
+            "created_at": utc_now(),
+            "machine": {**_asdict(machine_info), "gpus": [_asdict(g) for g in machine_info.gpus]},
+            "llama_build": {**_asdict(build), "backends": list(build.backends)},
+            "model": dict(model),
+            "settings": settings.to_dict(),
+            "min_ctx": min_ctx,
+            "objective": objective,
+            "measured": dict(measured),
+            "memory": {"predicted": dict(memory.get("predicted", {})), "actual": dict(memory.get("actual", {}))},
+            "sizing": dict(sizing),
+            "layers_offloaded": layers_offloaded,
+            "layers_total": layers_total,
+            "runner_up": dict(runner_up) if runner_up is not None else None,
+            "trials": dict(trials),
+            "study": dict(study) if study is not None else None,
+        }
+        return cls.from_dict(data)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version,
