@@ -42,6 +42,8 @@ FTYPES: dict[str, int] = {
     "Q5_K_M": 17,
     "Q6_K": 18,
     "IQ4_NL": 25,
+    "IQ3_S": 26,
+    "IQ3_M": 27,
     "IQ4_XS": 30,
     "BF16": 32,
 }
