@@ -176,60 +176,59 @@ def format_machine(m: Any) -> str:
 # -- bench / parse-log ---------------------------------------------------------------------------
 
 
-def settings_options(fn: Callable) -> Callable:
-    """The Settings flags, shared by bench and tune (named as llama.cpp's where they exist)."""
-    options = [
-        click.option("--n-gpu-layers", "-ngl", type=int, default=0, show_default=True, help="Layers to offload (-1: all)."),
-        click.option("--split-mode", "-sm", type=click.Choice(["none", "layer", "row"]), default="layer", show_default=True),
-        click.option("--main-gpu", "-mg", type=int, default=0, show_default=True),
-        click.option("--tensor-split", "-ts", default=None, help="Proportions per device, e.g. 3,1."),
-        click.option("--ctx", "-c", "n_ctx", type=int, default=4096, show_default=True, help="Context size."),
-        click.option("--batch", "-b", "n_batch", type=int, default=2048, show_default=True),
-        click.option("--ubatch", "-ub", "n_ubatch", type=int, default=512, show_default=True),
-        click.option("--threads", "-t", "n_threads", type=int, default=None, help="Generation threads (default: llama.cpp's)."),
-        click.option("--threads-batch", "-tb", "n_threads_batch", type=int, default=None),
-        click.option("--flash-attn", "-fa", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True),
-        click.option("--cache-type-k", "-ctk", "type_k", default="f16", show_default=True),
-        click.option("--cache-type-v", "-ctv", "type_v", default="f16", show_default=True),
-        click.option("--no-kv-offload", "-nkvo", is_flag=True, help="Keep the KV cache on the host."),
-        click.option("--no-mmap", is_flag=True),
-        click.option("--mlock", is_flag=True),
-        click.option("--no-op-offload", is_flag=True),
-        click.option("--override-tensor", "-ot", "tensor_overrides", multiple=True,
-                     help="Regex of tensors kept on the CPU (repeatable), e.g. 'blk\\.[0-3]\\.ffn_.*'. A trailing =CPU is accepted."),
-        click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... used as devices."),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+def settings_options(fn: Callable | None = None, *, defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> Any:
+    """The Settings options of bench and estimate, one per dimension of ``tuner.engine.dimensions``
+    (named as llama.cpp's where they exist). ``defaults`` replaces a dimension's default here."""
+
+    def decorate(fn: Callable) -> Callable:
+        from ..engine.dimensions import DIMENSIONS
+
+        options = []
+        for dim in DIMENSIONS:
+            option = dim.option
+            if option is None or dim.name in skip:
+                continue
+            default = (defaults or {}).get(dim.name, dim.default)
+            kwargs: dict[str, Any] = {"help": option.help or None}
+            if option.switch is not None:
+                kwargs.update(is_flag=True, flag_value=option.switch, default=default)
+            elif option.multiple:
+                kwargs.update(multiple=True)
+            elif option.parse is not None:
+                kwargs.update(default=None)
+            else:
+                kwargs.update(default=default, show_default=default is not None)
+                if dim.kind == "choice":
+                    kwargs["type"] = click.Choice(list(dim.choices))
+                elif dim.kind in ("int", "count"):
+                    kwargs["type"] = int
+            options.append(click.option(*option.names, dim.name, **kwargs))
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate(fn) if fn is not None else decorate
 
 
 def settings_from_options(model: str, opts: dict[str, Any]) -> Any:
+    """A Settings from the options ``settings_options`` added (popped from ``opts``)."""
+    from ..engine.dimensions import DIMENSIONS
     from ..engine.settings import Settings
 
-    overrides = tuple(p[:-4] if p.upper().endswith("=CPU") else p for p in opts.pop("tensor_overrides", ()))
-    rpc = opts.pop("rpc", None)
-    return Settings(
-        model_path=str(Path(model)),
-        n_gpu_layers=opts.pop("n_gpu_layers"),
-        split_mode=opts.pop("split_mode"),
-        main_gpu=opts.pop("main_gpu"),
-        tensor_split=_floats(opts.pop("tensor_split")),
-        n_ctx=opts.pop("n_ctx"),
-        n_batch=opts.pop("n_batch"),
-        n_ubatch=opts.pop("n_ubatch"),
-        n_threads=opts.pop("n_threads"),
-        n_threads_batch=opts.pop("n_threads_batch"),
-        flash_attn=opts.pop("flash_attn"),
-        type_k=opts.pop("type_k"),
-        type_v=opts.pop("type_v"),
-        offload_kqv=not opts.pop("no_kv_offload"),
-        use_mmap=not opts.pop("no_mmap"),
-        use_mlock=opts.pop("mlock"),
-        op_offload=not opts.pop("no_op_offload"),
-        tensor_overrides=overrides,
-        rpc_servers=tuple(s for s in (rpc or "").split(",") if s),
-    )
+    values: dict[str, Any] = {"model_path": str(Path(model))}
+    for dim in DIMENSIONS:
+        if dim.option is None or dim.name not in opts:
+            continue
+        value = opts.pop(dim.name)
+        if dim.option.parse is not None:
+            try:
+                value = dim.option.parse(value)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint=dim.option.names[0]) from None
+            if value is None:
+                value = dim.default
+        values[dim.name] = value
+    return Settings(**values)
 
 
 @cli.command("bench")

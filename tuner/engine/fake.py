@@ -18,12 +18,13 @@ from .logparse import LoadReport
 from ..model.inspect import ModelInfo
 from .outcome import Outcome
 from .base import BenchSpec, Stats, TrialResult
+from .dimensions import offloaded_layers
 from .settings import Settings
 
 
 def default_speed(settings: Settings) -> tuple[float, float]:
     """More layers offloaded is faster; q4_0 KV a little slower; more threads faster."""
-    ngl = settings.n_gpu_layers if settings.n_gpu_layers >= 0 else 99
+    ngl = offloaded_layers(settings.n_gpu_layers, 98)  # "every layer" scores as 99 layers
     tg = 10.0 + 5.0 * ngl + (settings.n_threads or 1) - (1.0 if settings.type_k == "q4_0" else 0.0)
     pp = 10 * tg + (settings.n_ubatch / 64)
     return pp, tg

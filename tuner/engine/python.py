@@ -29,7 +29,7 @@ from .base import BenchSpec, Stats, TrialResult
 from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
 from .process import LOG_MARK, kill_group, project_pythonpath
-from .settings import KV_CACHE_TYPES, Settings
+from .settings import Settings
 
 CONTEXT_MARK = f"{LOG_MARK} context begins"
 
@@ -344,8 +344,8 @@ class _Exchange:
 
 
 def _wire(settings: Settings) -> dict[str, Any]:
-    """Settings as the worker reads them (with the ggml type ids of the KV cache types)."""
-    return {**settings.to_dict(), "type_k_id": KV_CACHE_TYPES[settings.type_k], "type_v_id": KV_CACHE_TYPES[settings.type_v]}
+    """Settings as the worker reads them (``Settings.from_dict`` there)."""
+    return settings.to_dict()
 
 
 def run_trial(settings: Settings, bench: BenchSpec = BenchSpec(), **runner_kwargs: Any) -> TrialResult:

@@ -26,8 +26,9 @@ import time
 import traceback
 from typing import Any
 
+from .dimensions import DIMENSIONS
 from .process import LOG_MARK
-from .settings import MODEL_KEYS
+from .settings import MODEL_KEYS, Settings
 
 
 def _log(text: str) -> None:
@@ -105,27 +106,20 @@ class Worker:
             if new:
                 register_servers(new)
                 self.registered_rpc.update(new)
+        settings = Settings.from_dict(s)
         params = lc.llama_model_default_params()
-        params.n_gpu_layers = s["n_gpu_layers"]
-        params.split_mode = {"none": 0, "layer": 1, "row": 2}[s["split_mode"]]
-        params.main_gpu = s["main_gpu"]
-        use_mmap, use_mlock = s["use_mmap"], s["use_mlock"]
-        params.load_mode = (
-            lc.LLAMA_LOAD_MODE_MMAP_MLOCK if use_mmap and use_mlock
-            else lc.LLAMA_LOAD_MODE_MLOCK if use_mlock
-            else lc.LLAMA_LOAD_MODE_MMAP if use_mmap
-            else lc.LLAMA_LOAD_MODE_NONE
-        )
+        _set_fields(params, "model", settings)
         keep: list[Any] = []
-        if s.get("tensor_split"):
+        # the fields that point at memory this process keeps alive (dimensions.c_api_by_worker)
+        if settings.tensor_split:
             n = lc.llama_max_devices()
-            split = (ctypes.c_float * n)(*([float(x) for x in s["tensor_split"]] + [0.0] * n)[:n])
+            split = (ctypes.c_float * n)(*([float(x) for x in settings.tensor_split] + [0.0] * n)[:n])
             params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
             keep.append(split)
-        if s.get("tensor_overrides"):
+        if settings.host_overrides:
             from .ggml import OverrideArray
 
-            overrides = OverrideArray(tuple(s["tensor_overrides"]))
+            overrides = OverrideArray(settings.host_overrides)
             params.tensor_buft_overrides = overrides.address
             keep.append(overrides)
         started = time.perf_counter()
@@ -138,19 +132,8 @@ class Worker:
     def new_context(self, s: dict[str, Any], model: Any = None):
         lc = self.llama_cpp
         params = lc.llama_context_default_params()
-        params.n_ctx = s["n_ctx"]
-        params.n_batch = s["n_batch"]
-        params.n_ubatch = s["n_ubatch"]
+        _set_fields(params, "context", Settings.from_dict(s))
         params.n_seq_max = 1
-        if s.get("n_threads"):
-            params.n_threads = s["n_threads"]
-        if s.get("n_threads_batch") or s.get("n_threads"):
-            params.n_threads_batch = s.get("n_threads_batch") or s["n_threads"]
-        params.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[s["flash_attn"]]
-        params.type_k = s["type_k_id"]
-        params.type_v = s["type_v_id"]
-        params.offload_kqv = s["offload_kqv"]
-        params.op_offload = s["op_offload"]
         params.no_perf = False
         _log(f"{LOG_MARK} context begins\n")
         return lc.llama_init_from_model(model or self.model, params)
@@ -310,6 +293,16 @@ def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
         for model in models.values():
             lc.llama_model_free(model)
         _log(f"{LOG_MARK} paired measurement ends\n")
+
+
+def _set_fields(params: Any, struct: str, settings: Settings) -> None:
+    """Every llama_model_params / llama_context_params field the dimension table names; a value of
+    None leaves llama.cpp's default (a thread count left to llama.cpp)."""
+    for dim in DIMENSIONS:
+        if dim.c_api is not None and dim.c_api.struct == struct:
+            value = dim.c_api.value(settings)
+            if value is not None:
+                setattr(params, dim.c_api.field, value)
 
 
 class DecodeError(Exception):

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from ..engine.dimensions import offloaded_layers
 from ..errors import NoMatchingProfileError, ProfileMismatchError
 from ..model.gguf import model_fingerprint
 from .document import (
@@ -418,8 +419,7 @@ class _Plan:
         if not self.gpu_pools:
             return 0
         total = self.profile.layers_total or self.sizing.n_layer + 1
-        n = self.settings.n_gpu_layers
-        return total if n < 0 else min(n, total)
+        return offloaded_layers(self.settings.n_gpu_layers, total - 1)
 
     def _contexts(self, ctx0: int, min_ctx: int) -> list[int]:
         steps = []

@@ -1,0 +1,781 @@
+"""Each setting declared once: what it is, how every tool spells it, and when the search asks for it.
+
+One ``Dimension`` per ``tuner.engine.settings.Settings`` field, named like the field, in the order
+the command lines write them. Everything that reads or writes a setting loops over ``DIMENSIONS``:
+
+==========================  =============================================================================
+reader                      what it takes from a dimension
+==========================  =============================================================================
+``Settings``                the field's kind, default and checks (validation, dotted-path messages);
+                            ``model_level`` (``model_key``); ``llama_kwarg`` (``llama_kwargs()``);
+                            ``flags`` (``cli_args()`` for llama-server, llama-cli, llama-bench)
+the trial worker            ``c_api``: the ``llama_model_params`` / ``llama_context_params`` field it sets
+``offload-tuner bench``,    ``option``: the command-line option(s) (llama.cpp's names where they exist)
+``estimate``
+``profile args --for env``  ``env``: the ``LLAMA_ARG_*`` variable llama-server reads instead of the flag
+``profile args --for        ``ollama``: the Modelfile ``PARAMETER``, or the note saying it cannot be said
+ollama``
+the search space            ``search``: when the dimension can matter (``applies``, a predicate on the
+                            model, the machine and the values chosen before it) and how it is asked
+the memory arithmetic       ``Settings`` itself (``tuner.model.estimate.estimate`` takes one)
+==========================  =============================================================================
+
+Spellings were read from llama.cpp's sources as vendored by llama-cpp-python 0.3.36:
+``include/llama.h`` (``llama_model_params``, ``llama_context_params`` and their defaults in
+``src/llama-model.cpp`` / ``src/llama-context.cpp``), ``common/arg.cpp`` (flags, ``set_env`` names,
+which tools take a flag), ``tools/llama-bench/llama-bench.cpp`` (its flags and value syntax), and
+ollama's ``api/types.go`` ``Runner`` options (2026).
+
+The special values have one helper each: "every layer" (``ALL_LAYERS``, ``offloaded_layers``,
+``gpu_layers_arg``), "the model's training context" (``TRAINING_CONTEXT``, ``context_tokens``) and
+flash attention's forms (``flash_attn_forms``).
+
+Light on purpose, like ``settings``: apps import it through profiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+# llama.cpp's KV cache types (common/arg.cpp ``kv_cache_types``), by the name -ctk/-ctv take,
+# with the ggml_type enum value llama_context_params.type_k/type_v take.
+KV_CACHE_TYPES: dict[str, int] = {
+    "f32": 0,
+    "f16": 1,
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "iq4_nl": 20,
+    "bf16": 30,
+}
+# V cache types that need no flash attention (llama-context.cpp: ggml_is_quantized(type_v) needs it)
+UNQUANTIZED_KV = ("f32", "f16", "bf16")
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+CLI_TOOLS = ("llama-server", "llama-cli", "llama-bench")
+
+# -- the special values, one helper each ----------------------------------------------------------
+
+ALL_LAYERS = -1  # n_gpu_layers: every layer, the output layer included (llama_model_params: any negative)
+TRAINING_CONTEXT = 0  # n_ctx: the model's training context (llama_context_params, llama-server -c 0)
+
+
+def offloaded_layers(n_gpu_layers: int, n_layer: int) -> int:
+    """The layers llama.cpp puts on the accelerators, 0..n_layer+1 (the output layer counts as one).
+
+    ``ALL_LAYERS`` (or any negative) is ``n_layer + 1`` (src/llama-model.cpp ``n_gpu_layers()``);
+    a count above that is capped, as llama.cpp caps it."""
+    return n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
+
+
+def offloaded_repeating_layers(n_gpu_layers: int, n_layer: int) -> int:
+    """Repeating layers (blk.N) on the accelerators: offload starts from the output layer."""
+    return max(0, offloaded_layers(n_gpu_layers, n_layer) - 1)
+
+
+def first_offloaded_layer(n_gpu_layers: int, n_layer: int) -> int:
+    """``i_gpu_start = max(n_layer + 1 - ngl, 0)`` (src/llama-model.cpp ``load_tensors``)."""
+    return n_layer + 1 - offloaded_layers(n_gpu_layers, n_layer)
+
+
+def gpu_layers_arg(tool: str, n_gpu_layers: int, layers_total: int | None = None) -> str:
+    """``-ngl``'s value for ``tool``. A count is itself. "Every layer" is the profile's
+    ``layers_total`` when known; otherwise ``all`` for llama-server/llama-cli, whose common
+    arguments read ``-1`` as "auto" (fit to free memory; common/arg.cpp, 2026), and ``-1`` for
+    llama-bench, which passes the number to llama_model_params, where negative is every layer."""
+    if n_gpu_layers >= 0:
+        return str(n_gpu_layers)
+    if layers_total:
+        return str(layers_total)
+    return "-1" if tool == "llama-bench" else "all"
+
+
+def context_tokens(n_ctx: int, n_ctx_train: int) -> int:
+    """The context llama.cpp creates: ``TRAINING_CONTEXT`` (0) means the model's training context."""
+    return n_ctx_train if n_ctx <= TRAINING_CONTEXT else n_ctx
+
+
+class FlashAttnForms(NamedTuple):
+    """One flash-attention setting in each form a llama.cpp interface takes."""
+
+    name: str  # auto | on | off: Settings, llama-server/llama-cli -fa, LLAMA_ARG_FLASH_ATTN
+    c_api: int  # llama_context_params.flash_attn_type: LLAMA_FLASH_ATTN_TYPE_AUTO -1, DISABLED 0, ENABLED 1
+    bench: str | None  # llama-bench -fa 0/1 (no "auto": left out, llama-bench's default applies)
+    high_level: bool  # llama_cpp.Llama(flash_attn=...): on or off only; "auto" is off there
+    enabled: bool  # whether llama.cpp runs flash attention where the backend supports it (auto: yes)
+
+
+def flash_attn_forms(value: Any) -> FlashAttnForms:
+    """Every form of one flash-attention setting; takes any of them (``"auto"``, ``True``, ``-1``...)."""
+    if isinstance(value, bool):
+        name = "on" if value else "off"
+    elif isinstance(value, int):
+        name = {v: k for k, v in FLASH_ATTN.items()}.get(value, "")
+    else:
+        name = str(value)
+    if name not in FLASH_ATTN:
+        raise ValueError(f"expected one of {', '.join(FLASH_ATTN)}, got {value!r}")
+    return FlashAttnForms(
+        name=name,
+        c_api=FLASH_ATTN[name],
+        bench=None if name == "auto" else ("1" if name == "on" else "0"),
+        high_level=name == "on",
+        enabled=name != "off",
+    )
+
+
+def load_mode(use_mmap: bool, use_mlock: bool) -> str:
+    """llama.cpp's ``--load-mode`` name (common/arg.cpp, 2026), mirroring llama-cpp-python's mapping."""
+    if use_mmap and use_mlock:
+        return "mmap+mlock"
+    if use_mlock:
+        return "mlock"
+    return "mmap" if use_mmap else "none"
+
+
+# enum llama_load_mode (include/llama.h)
+LOAD_MODES = {"none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3}
+
+# -- how a dimension is spelled -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Export:
+    """What a writer knows besides the settings: the tool, the profile's layer count, the app's model path."""
+
+    tool: str = "llama-server"
+    layers_total: int | None = None
+    model_path: str | None = None
+
+
+Writer = Callable[[Any, Export], list[str]]  # (settings, export) -> argv words, [] when nothing to say
+
+
+@dataclass(frozen=True)
+class Option:
+    """The option(s) of ``offload-tuner bench`` and ``estimate`` that set a dimension."""
+
+    names: tuple[str, ...]
+    help: str = ""
+    switch: Any = None  # a switch without a value: the setting's value when it is given
+    parse: Callable[[Any], Any] | None = None  # the option's text -> the setting's value
+    multiple: bool = False
+
+
+@dataclass(frozen=True)
+class CField:
+    """The llama.cpp C API field the trial worker sets (``struct`` is ``model`` or ``context``).
+
+    ``value`` maps the settings to the field's value; ``None`` leaves llama.cpp's default."""
+
+    struct: str
+    field: str
+    value: Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Env:
+    """The environment variable llama-server reads instead of the flag (common/arg.cpp ``set_env``).
+
+    ``value``: the text for a switch; ``None`` takes the flag's own value."""
+
+    name: str
+    value: str | None = None
+
+
+@dataclass(frozen=True)
+class Ollama:
+    """A Modelfile's view of a dimension: a ``PARAMETER`` line, or a note that it cannot be said.
+
+    ``order`` places lines and notes where Modelfiles from this tool have always put them."""
+
+    order: int
+    line: Callable[[Any, Export], str | None] | None = None
+    note: Callable[[Any, Export], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the search knows when it asks: the model, the devices, each dimension's candidate values
+    (``domains``, built by ``tuner.search.space.build_space``) and the settings the engine can set."""
+
+    n_layer: int
+    devices: tuple[str, ...] = ()
+    is_moe: bool = False
+    has_swa: bool = False
+    domains: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    supported: frozenset[str] | None = None  # None: every setting
+
+    def domain(self, name: str) -> tuple:
+        return tuple(self.domains.get(name, ()))
+
+
+class Asker:
+    """What ``Search.ask`` talks to: an Optuna trial, or anything with these two methods."""
+
+    def suggest_int(self, name: str, low: int, high: int) -> int: ...  # pragma: no cover
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any: ...  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class Search:
+    """When and how the search asks for a dimension.
+
+    ``applies(facts, chosen)``: whether it can matter, given the model, the machine and the values
+    of the dimensions before it (``chosen``, by name); when it cannot, it is not asked at all (a
+    conditional space: no proposal is invalid by construction) and takes ``fixed(facts, chosen)``.
+    ``ask(asker, facts, chosen)`` asks the Optuna parameters and returns the setting's value;
+    ``params(value, facts, chosen)`` is its inverse (to enqueue a known candidate). The default
+    ask is a categorical parameter named like the dimension over ``facts.domains[name]``, asked
+    only when there is more than one value. ``why_not`` says why it is left out when it can never
+    apply on this machine and model; ``depends_on`` names the dimensions ``applies``/``ask`` read.
+    """
+
+    applies: Callable[[Facts, Mapping[str, Any]], bool] = lambda facts, chosen: True
+    why_not: Callable[[Facts], str] | None = None
+    ask: Callable[[Asker, Facts, Mapping[str, Any]], Any] | None = None
+    params: Callable[[Any, Facts, Mapping[str, Any]], dict[str, Any]] | None = None
+    fixed: Callable[[Facts, Mapping[str, Any]], Any] | None = None
+    depends_on: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One setting, declared once. See the module docstring for who reads what."""
+
+    name: str
+    kind: str  # path | int | count | bool | choice | proportions | patterns | endpoints
+    default: Any
+    check: Callable[[Any], str | None] | None = None  # a value of the right kind -> why it is wrong
+    choices: tuple[str, ...] = ()
+    model_level: bool = False  # part of what decides the loaded model (Settings.model_key)
+    option: Option | None = None
+    llama_kwarg: str | None = None  # the llama_cpp.Llama keyword
+    to_kwarg: Callable[[Any], Any] | None = None  # the settings -> that keyword's value (None: left out)
+    no_kwarg: str = ""  # why there is no keyword, and who applies it instead
+    c_api: CField | None = None
+    c_api_by_worker: str = ""  # set by the worker's own code (a pointer, a registration): why
+    flags: Mapping[str, Writer] = dataclasses.field(default_factory=dict)  # tool -> writer
+    no_flag: Mapping[str, str] = dataclasses.field(default_factory=dict)  # tool -> why it has no flag for this
+    spelled_by: str = ""  # another dimension's flag carries this one's value (use_mlock: -lm)
+    host_patterns: Callable[[Any], tuple[str, ...]] | None = None  # tensors it keeps on the CPU (regexes)
+    env: Env | None = None
+    ollama: Ollama | None = None
+    search: Search | None = None  # None: never searched
+    not_searched: str = ""  # why not
+
+
+# -- writers ------------------------------------------------------------------------------------------
+
+
+def _value(flag: str, *, unless: Any = dataclasses.MISSING, fmt: Callable[[Any], str] = str, name: str = "") -> Writer:
+    """``[flag, value]``; nothing when the value is ``unless`` (llama.cpp's default) or None."""
+
+    def write(s: Any, e: Export) -> list[str]:
+        value = getattr(s, name)
+        if value is None or (unless is not dataclasses.MISSING and value == unless):
+            return []
+        return [flag, fmt(value)]
+
+    return write
+
+
+def _switch(words: Sequence[str], when: Any, name: str) -> Writer:
+    """``words`` when the setting equals ``when`` (a switch such as ``-nkvo``), else nothing."""
+
+    def write(s: Any, e: Export) -> list[str]:
+        return list(words) if getattr(s, name) == when else []
+
+    return write
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _all_tools(writer: Writer) -> dict[str, Writer]:
+    return {tool: writer for tool in CLI_TOOLS}
+
+
+def _server_cli(writer: Writer) -> dict[str, Writer]:
+    return {"llama-server": writer, "llama-cli": writer}
+
+
+# -- checks -------------------------------------------------------------------------------------------
+
+
+def _at_least(minimum: int, message: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= minimum else f"{message}, got {v}"
+
+
+def _floats(text: Any) -> tuple[float, ...] | None:
+    """``3,1`` (or llama-bench's ``3/1``) -> proportions; empty -> None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (tuple, list)):
+        return tuple(float(x) for x in text)
+    try:
+        return tuple(float(x) for x in str(text).replace("/", ",").split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _override_patterns(values: Sequence[str]) -> tuple[str, ...]:
+    # -ot takes PATTERN=BUFFER; only the CPU is a target here, so a trailing =CPU is accepted
+    return tuple(p[:-4] if p.upper().endswith("=CPU") else p for p in values)
+
+
+def _endpoints(text: Any) -> tuple[str, ...]:
+    if not text:
+        return ()
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    return tuple(s for s in str(text).split(",") if s)
+
+
+# -- the search's structured questions ------------------------------------------------------------------
+
+# Tensor placement strategies (llama.cpp's -ot PATTERN=CPU): which tensors of the first offloaded
+# layers stay on the host while the rest of each layer is offloaded.
+PLACEMENTS = {
+    "none": None,
+    "ffn_cpu": r"ffn_(gate|up|down)(_exps)?\.weight",  # the FFN (dense or experts)
+    "experts_cpu": r"ffn_(gate|up|down)_exps\.weight",  # only the MoE experts
+    "attn_cpu": r"attn_(q|k|v|output|qkv)\.weight",  # the attention
+}
+
+
+def placement_patterns(strategy: str, k: int, start: int = 0) -> tuple[str, ...]:
+    """``-ot`` regexes for a strategy over layers ``start..start+k-1``."""
+    suffix = PLACEMENTS.get(strategy)
+    if not suffix or k <= 0:
+        return ()
+    layers = "|".join(str(i) for i in range(start, start + k))
+    return (rf"^blk\.({layers})\.{suffix}$",)
+
+
+def parse_placement(patterns: Sequence[str]) -> tuple[str, int, int] | None:
+    """``(strategy, start, k)`` of overrides ``placement_patterns`` wrote, or None."""
+    if not patterns:
+        return ("none", 0, 0)
+    if len(patterns) != 1:
+        return None
+    for strategy, suffix in PLACEMENTS.items():
+        if not suffix:
+            continue
+        m = re.fullmatch(r"\^blk\\\.\(([\d|]+)\)\\\.(.*)\$", patterns[0])
+        if m and m.group(2) == suffix:
+            layers = [int(x) for x in m.group(1).split("|")]
+            if layers == list(range(layers[0], layers[0] + len(layers))):
+                return (strategy, layers[0], len(layers))
+    return None
+
+
+def _offloaded(facts: Facts, chosen: Mapping[str, Any]) -> int:
+    """Repeating layers on the accelerators for the n_gpu_layers chosen."""
+    return offloaded_repeating_layers(int(chosen.get("n_gpu_layers", 0)), facts.n_layer)
+
+
+def _ask_split(asker: Asker, facts: Facts, chosen: Mapping[str, Any]) -> tuple[float, ...] | None:
+    """Layers per device for all devices but the last, which takes the rest; each count is bounded
+    by what the devices before it left, so every answer is a valid split."""
+    ngl = offloaded_layers(int(chosen["n_gpu_layers"]), facts.n_layer)
+    left = ngl
+    counts = []
+    for device in facts.devices[:-1]:
+        count = asker.suggest_int(f"layers_on[{device}]", 0, left)
+        counts.append(count)
+        left -= count
+    return split_from_counts(ngl, counts)
+
+
+def split_from_counts(ngl: int, counts: Sequence[int]) -> tuple[float, ...] | None:
+    """Layer counts per device (all but the last) -> llama.cpp's tensor split (the last takes the rest).
+
+    With proportions equal to the counts, llama.cpp's cumulative rule puts exactly that many layers
+    on each device. Raises ValueError when the counts exceed the offloaded layers."""
+    used = sum(counts)
+    if used > ngl:
+        raise ValueError(f"layer counts {list(counts)} add up to more than n_gpu_layers {ngl}")
+    return tuple(float(c) for c in counts) + (float(ngl - used),) if ngl else None
+
+
+def counts_from_split(n_layer: int, ngl: int, split: Sequence[float] | None, n_devices: int) -> list[int]:
+    """Offloaded layers (output included) per device under llama.cpp's cumulative split rule, for all
+    devices but the last (src/llama-model.cpp: std::upper_bound over the cumulative shares)."""
+    total_layers = offloaded_layers(ngl, n_layer)
+    start = n_layer + 1 - total_layers
+    shares = list(split) if split else [1.0] * n_devices
+    shares = (shares + [0.0] * n_devices)[:n_devices]
+    if sum(shares) <= 0:
+        shares = [1.0] * n_devices
+    total = float(sum(shares))
+    cumulative, acc = [], 0.0
+    for part in shares:
+        acc += part
+        cumulative.append(acc / total)
+    counts = [0] * n_devices
+    for il in range(start, n_layer + 1):
+        x = float(il - start) / total_layers
+        index = next((i for i, c in enumerate(cumulative) if c > x), n_devices - 1)
+        counts[min(index, n_devices - 1)] += 1
+    return counts[:-1]
+
+
+def _split_params(value: Any, facts: Facts, chosen: Mapping[str, Any]) -> dict[str, Any]:
+    ngl = int(chosen["n_gpu_layers"])
+    counts = counts_from_split(facts.n_layer, ngl, value, len(facts.devices))
+    return {f"layers_on[{d}]": c for d, c in zip(facts.devices[:-1], counts)}
+
+
+def _placement_strategies(facts: Facts) -> tuple[str, ...]:
+    return tuple(facts.domain("tensor_overrides")) or ("none",)
+
+
+def _ask_placement(asker: Asker, facts: Facts, chosen: Mapping[str, Any]) -> tuple[str, ...]:
+    """A strategy, then how many of the offloaded layers (from the first one) it applies to: counting
+    from the first offloaded layer keeps every answer meaningful (an override on a layer already on
+    the CPU changes nothing)."""
+    strategies = _placement_strategies(facts)
+    strategy = asker.suggest_categorical("placement", list(strategies)) if len(strategies) > 1 else strategies[0]
+    if strategy == "none":
+        return ()
+    k = asker.suggest_int("placement_layers", 1, _offloaded(facts, chosen))
+    start = first_offloaded_layer(int(chosen["n_gpu_layers"]), facts.n_layer)
+    return placement_patterns(strategy, k, start)
+
+
+def _placement_params(value: Any, facts: Facts, chosen: Mapping[str, Any]) -> dict[str, Any]:
+    parsed = parse_placement(tuple(value))
+    if parsed is None:
+        raise ValueError(f"tensor overrides {list(value)} are not a placement strategy the search spells")
+    strategy, start, k = parsed
+    params: dict[str, Any] = {}
+    if len(_placement_strategies(facts)) > 1:
+        params["placement"] = strategy
+    if strategy != "none":
+        first = first_offloaded_layer(int(chosen["n_gpu_layers"]), facts.n_layer)
+        params["placement_layers"] = start + k - first
+    return params
+
+
+def _no_device(facts: Facts) -> str:
+    return "no GPU or RPC device: every layer runs on the CPU"
+
+
+# -- the table ------------------------------------------------------------------------------------------
+
+
+def _kv_kwarg(name: str) -> Callable[[Any], int]:
+    return lambda s: KV_CACHE_TYPES[getattr(s, name)]
+
+
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension(
+        "model_path", "path", None,
+        model_level=True,
+        llama_kwarg="model_path", to_kwarg=lambda s: s.model_path,
+        c_api_by_worker="the file llama_model_load_from_file opens",
+        flags=_all_tools(lambda s, e: ["-m", e.model_path or s.model_path]),
+        env=Env("LLAMA_ARG_MODEL"),
+        ollama=Ollama(0, line=lambda s, e: f"FROM {e.model_path or s.model_path}"),
+        # the variants: the same model in other quantizations (build_space lists them)
+        search=Search(ask=lambda a, f, c: _ask_variant(a, f), params=lambda v, f, c: _variant_params(v, f),
+                      fixed=lambda f, c: f.domain("model_path")[0]),
+    ),
+    Dimension(
+        "n_gpu_layers", "int", 0,
+        check=_at_least(ALL_LAYERS, "expected -1 (all) or a count >= 0"),
+        model_level=True,
+        option=Option(("--n-gpu-layers", "-ngl"), "Layers to offload (-1: all)."),
+        llama_kwarg="n_gpu_layers", to_kwarg=lambda s: s.n_gpu_layers,  # Llama maps -1 to every layer itself
+        c_api=CField("model", "n_gpu_layers", lambda s: s.n_gpu_layers),  # negative: every layer
+        flags=_all_tools(lambda s, e: ["-ngl", gpu_layers_arg(e.tool, s.n_gpu_layers, e.layers_total)]),
+        env=Env("LLAMA_ARG_N_GPU_LAYERS"),
+        ollama=Ollama(10, line=lambda s, e: f"PARAMETER num_gpu {e.layers_total if s.n_gpu_layers < 0 and e.layers_total else s.n_gpu_layers}"),
+        search=Search(applies=lambda f, c: bool(f.devices), why_not=_no_device,
+                      ask=lambda a, f, c: a.suggest_int("n_gpu_layers", 0, f.n_layer + 1),
+                      params=lambda v, f, c: {"n_gpu_layers": offloaded_layers(int(v), f.n_layer)},
+                      fixed=lambda f, c: 0),
+    ),
+    Dimension(
+        "split_mode", "choice", "layer", choices=tuple(SPLIT_MODES),
+        model_level=True,
+        option=Option(("--split-mode", "-sm")),
+        llama_kwarg="split_mode", to_kwarg=lambda s: SPLIT_MODES[s.split_mode],
+        c_api=CField("model", "split_mode", lambda s: SPLIT_MODES[s.split_mode]),
+        flags=_all_tools(_value("-sm", unless="layer", name="split_mode")),
+        env=Env("LLAMA_ARG_SPLIT_MODE"),
+        ollama=Ollama(70, note=lambda s, e: f"split_mode {s.split_mode}: ollama always splits by layer" if s.split_mode != "layer" else None),
+        not_searched="layer split is llama.cpp's default, and the memory arithmetic models it alone",
+    ),
+    Dimension(
+        "main_gpu", "int", 0,
+        check=_at_least(0, "expected a device index >= 0"),
+        model_level=True,
+        option=Option(("--main-gpu", "-mg")),
+        llama_kwarg="main_gpu", to_kwarg=lambda s: s.main_gpu,
+        c_api=CField("model", "main_gpu", lambda s: s.main_gpu),
+        flags=_all_tools(_value("-mg", unless=0, name="main_gpu")),
+        env=Env("LLAMA_ARG_MAIN_GPU"),
+        ollama=Ollama(50, line=lambda s, e: f"PARAMETER main_gpu {s.main_gpu}" if s.main_gpu else None),
+        not_searched="it only matters with split_mode none or row, which are not searched",
+    ),
+    Dimension(
+        "tensor_split", "proportions", None,
+        model_level=True,
+        option=Option(("--tensor-split", "-ts"), "Proportions per device, e.g. 3,1.", parse=_floats),
+        llama_kwarg="tensor_split", to_kwarg=lambda s: list(s.tensor_split) if s.tensor_split is not None else None,
+        c_api_by_worker="a float array llama_model_params.tensor_split points at",
+        flags={
+            **_server_cli(lambda s, e: ["-ts", ",".join(_num(p) for p in s.tensor_split)] if s.tensor_split is not None else []),
+            # llama-bench splits list arguments on ',' (one value per run): its devices are '/'-separated
+            "llama-bench": lambda s, e: ["-ts", "/".join(_num(p) for p in s.tensor_split)] if s.tensor_split is not None else [],
+        },
+        env=Env("LLAMA_ARG_TENSOR_SPLIT"),
+        ollama=Ollama(80, note=lambda s, e: (
+            f"tensor_split {','.join(f'{p:g}' for p in s.tensor_split)}: ollama places layers on GPUs itself "
+            "(OLLAMA_SCHED_SPREAD=1 spreads one model over all GPUs)") if s.tensor_split is not None else None),
+        # as layer counts per device: asked only when there are layers for two or more devices
+        search=Search(applies=lambda f, c: len(f.devices) > 1 and offloaded_layers(int(c.get("n_gpu_layers", 0)), f.n_layer) >= 2,
+                      why_not=lambda f: "one device: nothing to split" if f.devices else "no GPU or RPC device",
+                      ask=_ask_split, params=_split_params, fixed=lambda f, c: None, depends_on=("n_gpu_layers",)),
+    ),
+    Dimension(
+        "n_ctx", "int", 4096,
+        check=_at_least(TRAINING_CONTEXT, "expected 0 (the model's training context) or more"),
+        option=Option(("--ctx", "-c"), "Context size."),
+        llama_kwarg="n_ctx", to_kwarg=lambda s: s.n_ctx,
+        c_api=CField("context", "n_ctx", lambda s: s.n_ctx),
+        flags=_server_cli(_value("-c", name="n_ctx")),
+        no_flag={"llama-bench": "llama-bench sizes its context from -p/-n/-d; it has no -c"},
+        env=Env("LLAMA_ARG_CTX_SIZE"),
+        ollama=Ollama(20, line=lambda s, e: f"PARAMETER num_ctx {s.n_ctx}" if s.n_ctx else None,
+                      note=lambda s, e: None if s.n_ctx else "n_ctx 0 (the model's training context): set num_ctx to that number"),
+        search=Search(),
+    ),
+    Dimension(
+        "n_batch", "int", 2048,
+        check=_at_least(1, "expected at least 1"),
+        option=Option(("--batch", "-b")),
+        llama_kwarg="n_batch", to_kwarg=lambda s: s.n_batch,
+        c_api=CField("context", "n_batch", lambda s: s.n_batch),
+        flags=_all_tools(_value("-b", name="n_batch")),
+        env=Env("LLAMA_ARG_BATCH"),
+        # ollama passes num_batch as both -b and -ub (llm/llama_server.go): num_batch is the profile's
+        # n_ubatch, which sizes the compute buffers the profile measured
+        ollama=Ollama(30, note=lambda s, e: (
+            f"n_batch {s.n_batch}: ollama's num_batch sets llama.cpp's batch and ubatch together; "
+            f"num_batch above is the profile's n_ubatch ({s.n_ubatch})") if s.n_batch != s.n_ubatch else None),
+        search=Search(),
+    ),
+    Dimension(
+        "n_ubatch", "int", 512,
+        check=_at_least(1, "expected at least 1"),
+        option=Option(("--ubatch", "-ub")),
+        llama_kwarg="n_ubatch", to_kwarg=lambda s: s.n_ubatch,
+        c_api=CField("context", "n_ubatch", lambda s: s.n_ubatch),
+        flags=_all_tools(_value("-ub", name="n_ubatch")),
+        env=Env("LLAMA_ARG_UBATCH"),
+        ollama=Ollama(30, line=lambda s, e: f"PARAMETER num_batch {s.n_ubatch}"),
+        search=Search(),
+    ),
+    Dimension(
+        "n_threads", "count", None,
+        option=Option(("--threads", "-t"), "Generation threads (default: llama.cpp's)."),
+        llama_kwarg="n_threads", to_kwarg=lambda s: s.n_threads,
+        c_api=CField("context", "n_threads", lambda s: s.n_threads),
+        flags=_all_tools(_value("-t", name="n_threads")),
+        env=Env("LLAMA_ARG_THREADS"),
+        ollama=Ollama(40, line=lambda s, e: f"PARAMETER num_thread {s.n_threads}" if s.n_threads is not None else None),
+        search=Search(),
+    ),
+    Dimension(
+        "n_threads_batch", "count", None,
+        option=Option(("--threads-batch", "-tb")),
+        llama_kwarg="n_threads_batch", to_kwarg=lambda s: s.n_threads_batch,
+        # llama.cpp's own default for the batch threads is its generation default; ours follows n_threads
+        c_api=CField("context", "n_threads_batch", lambda s: s.n_threads_batch or s.n_threads),
+        flags=_server_cli(_value("-tb", name="n_threads_batch")),
+        no_flag={"llama-bench": "llama-bench's -t sets both thread counts"},
+        env=None,  # arg.cpp gives -tb no set_env()
+        ollama=Ollama(45, note=lambda s, e: f"n_threads_batch {s.n_threads_batch}: ollama uses num_thread for prompt processing too"
+                      if s.n_threads_batch is not None else None),
+        search=Search(applies=lambda f, c: False, fixed=lambda f, c: c.get("n_threads"), depends_on=("n_threads",)),
+    ),
+    Dimension(
+        "flash_attn", "choice", "auto", choices=tuple(FLASH_ATTN),
+        option=Option(("--flash-attn", "-fa")),
+        llama_kwarg="flash_attn", to_kwarg=lambda s: flash_attn_forms(s.flash_attn).high_level,
+        no_kwarg="llama_cpp.Llama takes on or off only: auto is off there",
+        c_api=CField("context", "flash_attn_type", lambda s: flash_attn_forms(s.flash_attn).c_api),
+        flags={**_server_cli(_value("-fa", name="flash_attn")),
+               "llama-bench": lambda s, e: ["-fa", flash_attn_forms(s.flash_attn).bench] if flash_attn_forms(s.flash_attn).bench else []},
+        env=Env("LLAMA_ARG_FLASH_ATTN"),
+        ollama=Ollama(100, note=lambda s, e: (
+            f"flash_attn {s.flash_attn}: server-wide in ollama: OLLAMA_FLASH_ATTENTION={flash_attn_forms(s.flash_attn).bench} "
+            "where `ollama serve` runs") if s.flash_attn != "auto" else None),
+        search=Search(),
+    ),
+    Dimension(
+        "type_k", "choice", "f16", choices=tuple(KV_CACHE_TYPES),
+        option=Option(("--cache-type-k", "-ctk")),
+        llama_kwarg="type_k", to_kwarg=_kv_kwarg("type_k"),
+        c_api=CField("context", "type_k", _kv_kwarg("type_k")),
+        flags=_all_tools(_value("-ctk", name="type_k")),
+        env=Env("LLAMA_ARG_CACHE_TYPE_K"),
+        ollama=Ollama(90, note=lambda s, e: _ollama_kv_note(s)),
+        # The KV cache type (K and V together): a quantized cache only with flash attention on, since
+        # llama.cpp refuses a quantized V cache without it. (A quantized K alone without flash
+        # attention is valid; the search keeps K and V together, as -ctk/-ctv are usually set.)
+        search=Search(applies=lambda f, c: c.get("flash_attn") != "off", fixed=lambda f, c: "f16",
+                      depends_on=("flash_attn",)),
+    ),
+    Dimension(
+        "type_v", "choice", "f16", choices=tuple(KV_CACHE_TYPES),
+        option=Option(("--cache-type-v", "-ctv")),
+        llama_kwarg="type_v", to_kwarg=_kv_kwarg("type_v"),
+        c_api=CField("context", "type_v", _kv_kwarg("type_v")),
+        flags=_all_tools(_value("-ctv", name="type_v")),
+        env=Env("LLAMA_ARG_CACHE_TYPE_V"),
+        ollama=Ollama(90),  # said with type_k: ollama has one type for both
+        search=Search(applies=lambda f, c: False, fixed=lambda f, c: c.get("type_k", "f16"), depends_on=("type_k",)),
+    ),
+    Dimension(
+        "offload_kqv", "bool", True,
+        option=Option(("--no-kv-offload", "-nkvo"), "Keep the KV cache on the host.", switch=False),
+        llama_kwarg="offload_kqv", to_kwarg=lambda s: s.offload_kqv,
+        c_api=CField("context", "offload_kqv", lambda s: s.offload_kqv),
+        flags={**_server_cli(_switch(["-nkvo"], False, "offload_kqv")), "llama-bench": _switch(["-nkvo", "1"], False, "offload_kqv")},
+        # --no-kv-offload is the negative of "-kvo, --kv-offload", whose variable is LLAMA_ARG_KV_OFFLOAD
+        # (a boolean: 0 turns it off; arg.cpp also reads LLAMA_ARG_NO_KV_OFFLOAD)
+        env=Env("LLAMA_ARG_KV_OFFLOAD", "0"),
+        ollama=Ollama(110, note=lambda s, e: None if s.offload_kqv else "offload_kqv false (KV cache in host memory): ollama keeps the KV cache with its layers"),
+        # the KV cache lives with the repeating layers: it only moves when one of them is offloaded
+        search=Search(applies=lambda f, c: _offloaded(f, c) >= 1, why_not=_no_device, fixed=lambda f, c: True,
+                      depends_on=("n_gpu_layers",)),
+    ),
+    Dimension(
+        "use_mmap", "bool", True,
+        model_level=True,
+        option=Option(("--no-mmap",), switch=False),
+        llama_kwarg="use_mmap", to_kwarg=lambda s: s.use_mmap,
+        c_api=CField("model", "load_mode", lambda s: LOAD_MODES[load_mode(s.use_mmap, s.use_mlock)]),
+        flags=_all_tools(lambda s, e: ["-lm", load_mode(s.use_mmap, s.use_mlock)] if load_mode(s.use_mmap, s.use_mlock) != "mmap" else []),
+        env=Env("LLAMA_ARG_LOAD_MODE"),
+        ollama=Ollama(60, line=lambda s, e: f"PARAMETER use_mmap {'true' if s.use_mmap else 'false'}"),
+        not_searched=("it changes how the weights are read at load and whether their pages can be evicted, not the "
+                      "tokens/sec a trial measures once they are in memory (benchmarks/dimensions.py measures it)"),
+    ),
+    Dimension(
+        "use_mlock", "bool", False,
+        model_level=True,
+        option=Option(("--mlock",), switch=True),
+        llama_kwarg="use_mlock", to_kwarg=lambda s: s.use_mlock,
+        c_api_by_worker="written with use_mmap into llama_model_params.load_mode",
+        spelled_by="use_mmap",  # -lm / LLAMA_ARG_LOAD_MODE carries both
+        ollama=Ollama(120, note=lambda s, e: "use_mlock true: ollama's use_mlock parameter is deprecated and ignored" if s.use_mlock else None),
+        not_searched="it keeps pages from being swapped out under memory pressure; a trial cannot measure that",
+    ),
+    Dimension(
+        "op_offload", "bool", True,
+        option=Option(("--no-op-offload",), switch=False),
+        llama_kwarg="op_offload", to_kwarg=lambda s: s.op_offload,
+        c_api=CField("context", "op_offload", lambda s: s.op_offload),
+        flags={**_server_cli(_switch(["--no-op-offload"], False, "op_offload")), "llama-bench": _switch(["-nopo", "1"], False, "op_offload")},
+        env=None,  # arg.cpp gives --no-op-offload no set_env()
+        ollama=Ollama(130, note=lambda s, e: None if s.op_offload else "op_offload false: no ollama equivalent"),
+        not_searched="not searched yet: it moves host-weight operations of large batches to the GPU, so it can "
+                     "change prompt speed with a partial offload",
+    ),
+    Dimension(
+        "tensor_overrides", "patterns", (),
+        model_level=True,
+        option=Option(("--override-tensor", "-ot"),
+                      "Regex of tensors kept on the CPU (repeatable), e.g. 'blk\\.[0-3]\\.ffn_.*'. A trailing =CPU is accepted.",
+                      parse=_override_patterns, multiple=True),
+        no_kwarg="llama_cpp.Llama has no keyword: tuner.Llama sets llama_model_params.tensor_buft_overrides around the load",
+        c_api_by_worker="an override array llama_model_params.tensor_buft_overrides points at",
+        host_patterns=lambda s: tuple(s.tensor_overrides),
+        flags={
+            **_server_cli(lambda s, e: ["-ot", ",".join(f"{p}=CPU" for p in s.tensor_overrides)] if s.tensor_overrides else []),
+            # llama-bench uses ',' between runs and ';' between the overrides of one run
+            "llama-bench": lambda s, e: ["-ot", ";".join(f"{p}=CPU" for p in s.tensor_overrides)] if s.tensor_overrides else [],
+        },
+        env=Env("LLAMA_ARG_OVERRIDE_TENSOR"),
+        ollama=Ollama(140, note=lambda s, e: (
+            f"tensor_overrides {', '.join(s.tensor_overrides)} (kept on the CPU): ollama has no tensor placement option")
+            if s.tensor_overrides else None),
+        # as a placement strategy and a layer count: only when repeating layers are offloaded
+        search=Search(applies=lambda f, c: _offloaded(f, c) >= 1 and len(_placement_strategies(f)) > 1,
+                      why_not=lambda f: "no GPU or RPC device: no tensor can be kept off one" if not f.devices else "one strategy only",
+                      ask=_ask_placement, params=_placement_params, fixed=lambda f, c: (), depends_on=("n_gpu_layers",)),
+    ),
+    Dimension(
+        "rpc_servers", "endpoints", (),
+        model_level=True,
+        option=Option(("--rpc",), "RPC servers host:port,... used as devices.", parse=_endpoints),
+        no_kwarg="registered as devices before the load (tuner.engine.rpc.register_servers)",
+        c_api_by_worker="registered with ggml's RPC backend before the load",
+        flags=_all_tools(lambda s, e: ["--rpc", ",".join(s.rpc_servers)] if s.rpc_servers else []),
+        env=Env("LLAMA_ARG_RPC"),
+        ollama=Ollama(150, note=lambda s, e: f"rpc_servers {', '.join(s.rpc_servers)}: ollama does not use llama.cpp RPC servers"
+                      if s.rpc_servers else None),
+        # the devices of the machine, not a choice: the space passes them through
+        search=Search(applies=lambda f, c: False, fixed=lambda f, c: f.domain("rpc_servers")),
+    ),
+)
+
+_BY_NAME = {d.name: d for d in DIMENSIONS}
+
+
+def dimension(name: str) -> Dimension:
+    return _BY_NAME[name]
+
+
+def _ask_variant(asker: Asker, facts: Facts) -> str:
+    from pathlib import Path
+
+    variants = facts.domain("model_path")
+    if len(variants) == 1:
+        return variants[0]
+    name = asker.suggest_categorical("variant", [Path(v).name for v in variants])
+    return next(v for v in variants if Path(v).name == name)
+
+
+def _variant_params(value: str, facts: Facts) -> dict[str, Any]:
+    from pathlib import Path
+
+    return {"variant": Path(value).name} if len(facts.domain("model_path")) > 1 else {}
+
+
+def _ollama_kv_note(s: Any) -> str | None:
+    if s.type_k == "f16" and s.type_v == "f16":
+        return None
+    if s.type_k != s.type_v:
+        note = (f"type_k {s.type_k}, type_v {s.type_v}: ollama has one KV cache type for K and V, set server-wide "
+                f"with OLLAMA_KV_CACHE_TYPE where `ollama serve` runs")
+    else:
+        note = f"type_k and type_v {s.type_k}: the KV cache type is server-wide in ollama: OLLAMA_KV_CACHE_TYPE={s.type_k} where `ollama serve` runs"
+    if any(t not in OLLAMA_KV_TYPES for t in (s.type_k, s.type_v)):
+        note += f" (it takes {', '.join(OLLAMA_KV_TYPES)})"
+    return note
+
+
+# ollama's OLLAMA_KV_CACHE_TYPE takes these (fs/ggml/ggml.go, 2026); f16 is its default.
+OLLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
+
+__all__ = [
+    "DIMENSIONS", "Dimension", "Option", "CField", "Env", "Ollama", "Search", "Facts", "Export",
+    "KV_CACHE_TYPES", "SPLIT_MODES", "FLASH_ATTN", "CLI_TOOLS", "UNQUANTIZED_KV", "OLLAMA_KV_TYPES",
+    "ALL_LAYERS", "TRAINING_CONTEXT", "offloaded_layers", "offloaded_repeating_layers", "first_offloaded_layer",
+    "gpu_layers_arg", "context_tokens", "flash_attn_forms", "FlashAttnForms", "load_mode", "LOAD_MODES",
+    "PLACEMENTS", "placement_patterns", "parse_placement", "split_from_counts",
+    "counts_from_split", "dimension",
+]
