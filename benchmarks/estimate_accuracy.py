@@ -80,8 +80,7 @@ def main() -> int:
                         print(f"{name} ngl={ngl}: {result.outcome.value} {result.message}")
                         continue
                     devices = [f"RPC0[{e}]" for e in eps]
-                    est = estimate(info, n_gpu_layers=ngl, tensor_split=split, devices=devices, n_ctx=ctx, n_ubatch=ub,
-                                   flash_attn=fa == "on")
+                    est = estimate(info, settings, devices=devices)
                     cells = []
                     for device in ["CPU", *devices]:
                         real = measured(result.load, device)

@@ -8,10 +8,17 @@ import pytest
 from click.testing import CliRunner
 
 from tuner.cli.main import cli
+from tuner.engine.settings import Settings
+from tuner.errors import SettingsError
 from tuner.model.estimate import CPU, estimate, layer_devices, max_gpu_layers
 from tuner.model.inspect import inspect
 
 MiB = 1 << 20
+
+
+def at(info, **settings) -> Settings:
+    """The settings of a candidate for ``info``, llama.cpp's defaults for the rest."""
+    return Settings(model_path=info.path, **settings)
 
 
 def test_offload_starts_from_the_output_layer():
@@ -34,9 +41,9 @@ def test_tensor_split_spreads_layers_by_proportion():
 
 def test_estimate_moves_bytes_with_layers(models):
     info = inspect(models["q8_0"])
-    none = estimate(info, n_gpu_layers=0, devices=["GPU0"], n_ctx=1024)
-    some = estimate(info, n_gpu_layers=2, devices=["GPU0"], n_ctx=1024)
-    full = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=1024)
+    none = estimate(info, at(info, n_gpu_layers=0, n_ctx=1024), devices=["GPU0"])
+    some = estimate(info, at(info, n_gpu_layers=2, n_ctx=1024), devices=["GPU0"])
+    full = estimate(info, at(info, n_gpu_layers=-1, n_ctx=1024), devices=["GPU0"])
     total_weights = sum(t.n_bytes for t in info.tensors)
     for est in (none, some, full):
         assert sum(d.weights for d in est.devices.values()) == total_weights
@@ -52,33 +59,46 @@ def test_estimate_moves_bytes_with_layers(models):
 
 def test_kv_type_and_context_scale_the_cache(models):
     info = inspect(models["q8_0"])
-    f16 = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=4096, type_k="f16")
-    q8 = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=4096, type_k="q8_0")
-    half = estimate(info, n_gpu_layers=-1, devices=["GPU0"], n_ctx=2048, type_k="f16")
+    f16 = estimate(info, at(info, n_gpu_layers=-1, n_ctx=4096, type_k="f16", type_v="f16"), devices=["GPU0"])
+    q8 = estimate(info, at(info, n_gpu_layers=-1, n_ctx=4096, type_k="q8_0", type_v="q8_0"), devices=["GPU0"])
+    half = estimate(info, at(info, n_gpu_layers=-1, n_ctx=2048, type_k="f16", type_v="f16"), devices=["GPU0"])
     assert q8.devices["GPU0"].kv == pytest.approx(f16.devices["GPU0"].kv * 34 / 64)
     assert half.devices["GPU0"].kv * 2 == f16.devices["GPU0"].kv
     # llama.cpp pads the context to 256 cells
-    assert estimate(info, n_ctx=1000).n_ctx == 1024
+    assert estimate(info, at(info, n_ctx=1000)).n_ctx == 1024
+    # n_ctx 0 is the model's training context
+    assert estimate(info, at(info, n_ctx=0)).n_ctx == info.n_ctx_train
 
 
 def test_tensor_overrides_keep_tensors_on_the_host(models):
     info = inspect(models["q8_0"])
-    plain = estimate(info, n_gpu_layers=-1, devices=["GPU0"])
-    ffn_on_cpu = estimate(info, n_gpu_layers=-1, devices=["GPU0"], tensor_overrides=[r"blk\.[01]\.ffn_(gate|up|down)"])
+    plain = estimate(info, at(info, n_gpu_layers=-1), devices=["GPU0"])
+    ffn_on_cpu = estimate(info, at(info, n_gpu_layers=-1, tensor_overrides=[r"blk\.[01]\.ffn_(gate|up|down)"]), devices=["GPU0"])
     moved = sum(info.layer_bytes[i].ffn for i in (0, 1))
     assert plain.devices["GPU0"].weights - ffn_on_cpu.devices["GPU0"].weights == moved
     assert ffn_on_cpu.devices[CPU].weights - plain.devices[CPU].weights == moved
 
 
+def test_split_mode_none_puts_every_layer_on_the_main_gpu(models):
+    info = inspect(models["q8_0"])
+    both = estimate(info, at(info, n_gpu_layers=-1, tensor_split=(1, 1)), devices=["A", "B"])
+    assert both.devices["A"].weights and both.devices["B"].weights
+    main = estimate(info, at(info, n_gpu_layers=-1, tensor_split=(1, 1), split_mode="none", main_gpu=1), devices=["A", "B"])
+    assert main.devices["A"].total == 0 and main.layers["B"] == info.n_layer and main.output_device == "B"
+    assert main.devices["B"].weights == sum(d.weights for name, d in both.devices.items() if name != CPU)
+    with pytest.raises(SettingsError, match=r"^main_gpu: expected a device index below 2 \(A, B\), got 2$"):
+        estimate(info, at(info, n_gpu_layers=-1, split_mode="none", main_gpu=2), devices=["A", "B"])
+
+
 def test_max_gpu_layers_is_the_inverse(models):
     info = inspect(models["q8_0"])
-    settings = dict(n_ctx=1024, n_ubatch=512)
+    settings = at(info, n_ctx=1024, n_ubatch=512)
     for ngl in range(0, info.n_layer + 2):
-        need = estimate(info, n_gpu_layers=ngl, devices=["GPU0"], **settings).devices["GPU0"].total
-        found = max_gpu_layers(info, {"GPU0": need + 100 * MiB}, margin=100 * MiB, **settings)
+        need = estimate(info, settings.replace(n_gpu_layers=ngl), devices=["GPU0"]).devices["GPU0"].total
+        found = max_gpu_layers(info, settings, {"GPU0": need + 100 * MiB}, margin=100 * MiB)
         assert found >= ngl
         if ngl < info.n_layer + 1:
-            more = estimate(info, n_gpu_layers=ngl + 1, devices=["GPU0"], **settings).devices["GPU0"].total
+            more = estimate(info, settings.replace(n_gpu_layers=ngl + 1), devices=["GPU0"]).devices["GPU0"].total
             if more > need:
                 assert found == ngl
 
@@ -94,6 +114,21 @@ def test_estimate_cli_json_shape(models):
         assert mem["total"] == mem["weights"] + mem["kv"] + mem["compute"]
 
 
+def test_estimate_cli_takes_the_settings_options(models):
+    """-ctk/-ctv, -fa and -ot are bench's (the dimension table's); --kv-type and --no-flash-attn still work."""
+    def run(*args):
+        out = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "-ngl", "-1", "--json", *args])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output)
+
+    assert run("--kv-type", "q8_0") == run("-ctk", "q8_0", "-ctv", "q8_0")
+    assert run("--no-flash-attn")["devices"] == run("-fa", "off")["devices"] != run("-fa", "on")["devices"]
+    moved = run("-ot", r"blk\.0\.ffn_.*=CPU")
+    assert moved["devices"]["CPU"]["weights"] > run()["devices"]["CPU"]["weights"]
+    bad = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "-ngl", "1", "--kv-type", "q3"])
+    assert bad.exit_code == 2 and "settings.type_k: expected one of" in bad.output
+
+
 def test_estimate_cli_inverse(models):
     result = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "--free", "4", "--margin", "1", "--json"])
     assert result.exit_code == 0, result.output
@@ -104,7 +139,6 @@ def test_estimate_cli_inverse(models):
 def test_estimate_matches_what_llama_cpp_allocates_on_the_cpu(models, name):
     from tuner.engine.base import BenchSpec
     from tuner.engine.python import TrialRunner
-    from tuner.engine.settings import Settings
 
     info = inspect(models[name])
     printed = 0.006 * MiB  # llama.cpp prints MiB with two decimals
@@ -114,7 +148,7 @@ def test_estimate_matches_what_llama_cpp_allocates_on_the_cpu(models, name):
                          use_mmap=False)  # with mmap the host buffer is the file's mapped span, not an allocation
             result = runner.run(s, BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
             assert result.ok, result.message
-            est = estimate(info, n_gpu_layers=0, n_ctx=ctx, n_ubatch=ub, flash_attn=fa == "on").devices[CPU]
+            est = estimate(info, s).devices[CPU]
             weights = sum(result.load.model_buffers.values())
             assert weights == pytest.approx(est.weights, rel=0.01, abs=printed)
             assert result.load.kv_buffers["CPU"] == pytest.approx(est.kv, rel=0.01, abs=printed)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tuner.engine.settings import Settings
 from tuner.errors import TunerError
 from tuner.model.estimate import estimate
 from tuner.model.inspect import inspect
@@ -86,8 +87,9 @@ def test_a_quantized_file_predicts_its_siblings(quantized):
 
 def test_estimate_of_a_requantized_model_equals_the_estimate_of_the_real_file(quantized):
     f16, files = quantized["gqa4"]
-    predicted = estimate(requantized(inspect(f16), "Q4_K_M"), n_gpu_layers=5, devices=["GPU0"], n_ctx=1024)
-    real = estimate(inspect(files["Q4_K_M"]), n_gpu_layers=5, devices=["GPU0"], n_ctx=1024)
+    settings = Settings(model_path=str(files["Q4_K_M"]), n_gpu_layers=5, n_ctx=1024)
+    predicted = estimate(requantized(inspect(f16), "Q4_K_M"), settings, devices=["GPU0"])
+    real = estimate(inspect(files["Q4_K_M"]), settings, devices=["GPU0"])
     assert predicted.devices == real.devices
 
 

@@ -59,8 +59,7 @@ def test_two_device_split_matches_the_memory_arithmetic(models, rpc_servers):
         result = run_trial(s, QUICK)
         assert result.ok, result.message
         devices = [f"RPC0[{x.endpoint}]" for x in servers]
-        est = estimate(info, n_gpu_layers=ngl, tensor_split=split, devices=devices, n_ctx=s.n_ctx, n_ubatch=s.n_ubatch,
-                       flash_attn=True)
+        est = estimate(info, s, devices=devices)
         for device in devices:
             real_weights = result.load.model_buffers.get(device, 0)
             assert real_weights == pytest.approx(est.devices[device].weights, rel=0.01, abs=PRINTED), device

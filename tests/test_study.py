@@ -14,6 +14,7 @@ from tuner.engine.fake import ScriptedRunner
 from tuner.machine.probe import LlamaBuild, Machine
 from tuner.model.inspect import inspect
 from tuner.engine.outcome import Outcome
+from tuner.engine.settings import Settings
 from tuner.profile.document import Profile
 from tuner.profile.store import read_profile
 from tuner.search.space import Device, build_space
@@ -108,8 +109,8 @@ def test_rejects_a_variant_of_another_model(models, tmp_path):
 def test_candidates_predicted_not_to_fit_are_not_launched(models):
     info = inspect(models["q8_0"])
     # a device with room for about two layers' worth of the model at the smallest settings
-    need = {ngl: estimate(info, n_gpu_layers=ngl, devices=[RPC], n_ctx=512, n_ubatch=128, type_k="q4_0",
-                          flash_attn=True).devices[RPC].total for ngl in range(6)}
+    need = {ngl: estimate(info, Settings(model_path=info.path, n_gpu_layers=ngl, n_ctx=512, n_ubatch=128, type_k="q4_0",
+                                         type_v="q4_0", flash_attn="on"), devices=[RPC]).devices[RPC].total for ngl in range(6)}
     free = need[2] + 1
     engine = ScriptedRunner({str(models["q8_0"]): info}, devices=(RPC,))
     events = []
@@ -126,7 +127,8 @@ def test_candidates_predicted_not_to_fit_are_not_launched(models):
 def test_out_of_memory_is_learned_and_not_repeated(models):
     info = inspect(models["q8_0"])
     # The device reports plenty of memory (like an RPC server over host RAM) but holds only ~3 layers.
-    cap = estimate(info, n_gpu_layers=3, devices=[RPC], n_ctx=512, n_ubatch=512, flash_attn=True).devices[RPC].total
+    cap = estimate(info, Settings(model_path=info.path, n_gpu_layers=3, n_ctx=512, n_ubatch=512, flash_attn="on"),
+                   devices=[RPC]).devices[RPC].total
     engine = ScriptedRunner({str(models["q8_0"]): info}, devices=(RPC,), capacity={RPC: cap})
     events = []
     tuner = Tuner(str(models["q8_0"]), trials=15, machine=machine(rpc_free=8 << 30), engine=engine,

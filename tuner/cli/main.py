@@ -74,6 +74,63 @@ def inspect_cmd(model: str, as_json: bool) -> None:
     _emit(as_json, info.to_dict(), lambda: describe(info))
 
 
+def settings_options(fn: Callable | None = None, *, defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> Any:
+    """The Settings options of bench and estimate, one per dimension of ``tuner.engine.dimensions``
+    (named as llama.cpp's where they exist). ``defaults`` replaces a dimension's default here."""
+
+    def decorate(fn: Callable) -> Callable:
+        from ..engine.dimensions import DIMENSIONS
+
+        options = []
+        for dim in DIMENSIONS:
+            option = dim.option
+            if option is None or dim.name in skip:
+                continue
+            default = (defaults or {}).get(dim.name, dim.default)
+            kwargs: dict[str, Any] = {"help": option.help or None}
+            if option.switch is not None:
+                kwargs.update(is_flag=True, flag_value=option.switch, default=default)
+            elif option.bare is not None:
+                kwargs.update(is_flag=False, flag_value=option.bare)
+            elif option.multiple:
+                kwargs.update(multiple=True)
+            elif option.parse is not None:
+                kwargs.update(default=None)
+            if option.switch is None and not option.multiple and option.parse is None:
+                kwargs.update(default=default, show_default=default is not None)
+                if dim.kind == "choice":
+                    kwargs["type"] = click.Choice(list(dim.choices))
+                elif dim.kind in ("int", "count"):
+                    kwargs["type"] = int
+            options.append(click.option(*option.names, dim.name, **kwargs))
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def settings_from_options(model: str, opts: dict[str, Any]) -> Any:
+    """A Settings from the options ``settings_options`` added (popped from ``opts``)."""
+    from ..engine.dimensions import DIMENSIONS
+    from ..engine.settings import Settings
+
+    values: dict[str, Any] = {"model_path": str(Path(model))}
+    for dim in DIMENSIONS:
+        if dim.option is None or dim.name not in opts:
+            continue
+        value = opts.pop(dim.name)
+        if dim.option.parse is not None:
+            try:
+                value = dim.option.parse(value)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint=dim.option.names[0]) from None
+            if value is None:
+                value = dim.default
+        values[dim.name] = value
+    return Settings(**values)
+
+
 def _floats(value: str | None) -> tuple[float, ...] | None:
     if not value:
         return None
@@ -85,19 +142,18 @@ def _floats(value: str | None) -> tuple[float, ...] | None:
 
 @cli.command("estimate")
 @click.argument("model", type=click.Path())
-@click.option("--n-gpu-layers", "-ngl", type=int, default=None, help="Layers to offload (-1: all). Omit with --free to get the most that fit.")
-@click.option("--ctx", "n_ctx", type=int, default=4096, show_default=True, help="Context size (tokens).")
-@click.option("--kv-type", default="f16", show_default=True, help="KV cache type for K and V (f16, q8_0, q4_0, ...).")
-@click.option("--tensor-split", "-ts", default=None, help="Proportions per device, e.g. 3,1.")
+@click.option("--kv-type", default=None, help="KV cache type for K and V at once (f16, q8_0, q4_0, ...); sets -ctk and -ctv.")
+@click.option("--no-flash-attn", "no_flash_attn", is_flag=True, help="The same as --flash-attn off.")
 @click.option("--devices", default=None, help="Accelerator names as llama.cpp prints them, e.g. CUDA0,CUDA1.")
-@click.option("--ubatch", "n_ubatch", type=int, default=512, show_default=True, help="Physical batch size.")
-@click.option("--flash-attn/--no-flash-attn", default=True, show_default=True)
 @click.option("--free", "free_mib", default=None, help="Free MiB per device (comma list): print the most layers that fit.")
 @click.option("--margin", "margin_mib", type=int, default=512, show_default=True, help="Safety margin in MiB with --free.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def estimate_cmd(model: str, n_gpu_layers: int | None, n_ctx: int, kv_type: str, tensor_split: str | None, devices: str | None,
-                 n_ubatch: int, flash_attn: bool, free_mib: str | None, margin_mib: int, as_json: bool) -> None:
+@settings_options(defaults={"n_gpu_layers": None}, skip=("rpc_servers",))
+def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, devices: str | None, free_mib: str | None,
+                 margin_mib: int, as_json: bool, **opts: Any) -> None:
     """Memory per device (weights, KV cache, compute) before loading anything.
+
+    Takes bench's settings options (the same names as llama.cpp's); -ngl -1 is every layer.
 
     \b
     Examples:
@@ -108,9 +164,13 @@ def estimate_cmd(model: str, n_gpu_layers: int | None, n_ctx: int, kv_type: str,
     from ..model.inspect import inspect
 
     info = inspect(model)
-    split = _floats(tensor_split)
+    n_gpu_layers = opts["n_gpu_layers"]
+    if kv_type is not None:
+        opts["type_k"] = opts["type_v"] = kv_type
+    if no_flash_attn:
+        opts["flash_attn"] = "off"
+    settings = settings_from_options(model, {**opts, "n_gpu_layers": n_gpu_layers if n_gpu_layers is not None else 0})
     names = [d for d in devices.split(",") if d] if devices else None
-    common = dict(n_ctx=n_ctx, type_k=kv_type, type_v=kv_type, tensor_split=split, n_ubatch=n_ubatch, flash_attn=flash_attn)
     best = None
     if free_mib:
         free_values = _floats(free_mib) or ()
@@ -118,12 +178,12 @@ def estimate_cmd(model: str, n_gpu_layers: int | None, n_ctx: int, kv_type: str,
         if len(names) != len(free_values):
             raise click.BadParameter(f"{len(free_values)} --free values for {len(names)} devices")
         free = {n: int(v * MiB) for n, v in zip(names, free_values)}
-        best = max_gpu_layers(info, free, margin=margin_mib * MiB, devices=names, **common)
+        best = max_gpu_layers(info, settings, free, margin=margin_mib * MiB, devices=names)
         if n_gpu_layers is None:
             n_gpu_layers = best
     if n_gpu_layers is None:
         raise click.UsageError("give --n-gpu-layers, or --free to find the most layers that fit")
-    est = estimate(info, n_gpu_layers=n_gpu_layers, devices=names, **common)
+    est = estimate(info, settings.replace(n_gpu_layers=n_gpu_layers), devices=names)
     data = est.to_dict()
     if best is not None:
         data["max_gpu_layers"] = best
@@ -174,61 +234,6 @@ def format_machine(m: Any) -> str:
 
 
 # -- bench / parse-log ---------------------------------------------------------------------------
-
-
-def settings_options(fn: Callable | None = None, *, defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> Any:
-    """The Settings options of bench and estimate, one per dimension of ``tuner.engine.dimensions``
-    (named as llama.cpp's where they exist). ``defaults`` replaces a dimension's default here."""
-
-    def decorate(fn: Callable) -> Callable:
-        from ..engine.dimensions import DIMENSIONS
-
-        options = []
-        for dim in DIMENSIONS:
-            option = dim.option
-            if option is None or dim.name in skip:
-                continue
-            default = (defaults or {}).get(dim.name, dim.default)
-            kwargs: dict[str, Any] = {"help": option.help or None}
-            if option.switch is not None:
-                kwargs.update(is_flag=True, flag_value=option.switch, default=default)
-            elif option.multiple:
-                kwargs.update(multiple=True)
-            elif option.parse is not None:
-                kwargs.update(default=None)
-            else:
-                kwargs.update(default=default, show_default=default is not None)
-                if dim.kind == "choice":
-                    kwargs["type"] = click.Choice(list(dim.choices))
-                elif dim.kind in ("int", "count"):
-                    kwargs["type"] = int
-            options.append(click.option(*option.names, dim.name, **kwargs))
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return decorate(fn) if fn is not None else decorate
-
-
-def settings_from_options(model: str, opts: dict[str, Any]) -> Any:
-    """A Settings from the options ``settings_options`` added (popped from ``opts``)."""
-    from ..engine.dimensions import DIMENSIONS
-    from ..engine.settings import Settings
-
-    values: dict[str, Any] = {"model_path": str(Path(model))}
-    for dim in DIMENSIONS:
-        if dim.option is None or dim.name not in opts:
-            continue
-        value = opts.pop(dim.name)
-        if dim.option.parse is not None:
-            try:
-                value = dim.option.parse(value)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint=dim.option.names[0]) from None
-            if value is None:
-                value = dim.default
-        values[dim.name] = value
-    return Settings(**values)
 
 
 @cli.command("bench")

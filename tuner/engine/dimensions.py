@@ -26,9 +26,9 @@ Spellings were read from llama.cpp's sources as vendored by llama-cpp-python 0.3
 which tools take a flag), ``tools/llama-bench/llama-bench.cpp`` (its flags and value syntax), and
 ollama's ``api/types.go`` ``Runner`` options (2026).
 
-The special values have one helper each: "every layer" (``ALL_LAYERS``, ``offloaded_layers``,
-``gpu_layers_arg``), "the model's training context" (``TRAINING_CONTEXT``, ``context_tokens``) and
-flash attention's forms (``flash_attn_forms``).
+The special values have one helper each (in ``tuner.model.special``, re-exported here): "every
+layer" (``ALL_LAYERS``, ``offloaded_layers``, ``gpu_layers_arg``), "the model's training context"
+(``TRAINING_CONTEXT``, ``context_tokens``) and flash attention's forms (``flash_attn_forms``).
 
 Light on purpose, like ``settings``: apps import it through profiles.
 """
@@ -38,7 +38,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+# The special values (every layer, the training context, flash attention's forms): one helper each,
+# in tuner.model.special, because the memory arithmetic below this stage reads them too.
+from ..model.special import (
+    ALL_LAYERS,
+    FLASH_ATTN,
+    TRAINING_CONTEXT,
+    FlashAttnForms,
+    context_tokens,
+    first_offloaded_layer,
+    flash_attn_forms,
+    gpu_layers_arg,
+    offloaded_layers,
+    offloaded_repeating_layers,
+)
 
 # llama.cpp's KV cache types (common/arg.cpp ``kv_cache_types``), by the name -ctk/-ctv take,
 # with the ggml_type enum value llama_context_params.type_k/type_v take.
@@ -56,77 +71,7 @@ KV_CACHE_TYPES: dict[str, int] = {
 # V cache types that need no flash attention (llama-context.cpp: ggml_is_quantized(type_v) needs it)
 UNQUANTIZED_KV = ("f32", "f16", "bf16")
 SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 CLI_TOOLS = ("llama-server", "llama-cli", "llama-bench")
-
-# -- the special values, one helper each ----------------------------------------------------------
-
-ALL_LAYERS = -1  # n_gpu_layers: every layer, the output layer included (llama_model_params: any negative)
-TRAINING_CONTEXT = 0  # n_ctx: the model's training context (llama_context_params, llama-server -c 0)
-
-
-def offloaded_layers(n_gpu_layers: int, n_layer: int) -> int:
-    """The layers llama.cpp puts on the accelerators, 0..n_layer+1 (the output layer counts as one).
-
-    ``ALL_LAYERS`` (or any negative) is ``n_layer + 1`` (src/llama-model.cpp ``n_gpu_layers()``);
-    a count above that is capped, as llama.cpp caps it."""
-    return n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1)
-
-
-def offloaded_repeating_layers(n_gpu_layers: int, n_layer: int) -> int:
-    """Repeating layers (blk.N) on the accelerators: offload starts from the output layer."""
-    return max(0, offloaded_layers(n_gpu_layers, n_layer) - 1)
-
-
-def first_offloaded_layer(n_gpu_layers: int, n_layer: int) -> int:
-    """``i_gpu_start = max(n_layer + 1 - ngl, 0)`` (src/llama-model.cpp ``load_tensors``)."""
-    return n_layer + 1 - offloaded_layers(n_gpu_layers, n_layer)
-
-
-def gpu_layers_arg(tool: str, n_gpu_layers: int, layers_total: int | None = None) -> str:
-    """``-ngl``'s value for ``tool``. A count is itself. "Every layer" is the profile's
-    ``layers_total`` when known; otherwise ``all`` for llama-server/llama-cli, whose common
-    arguments read ``-1`` as "auto" (fit to free memory; common/arg.cpp, 2026), and ``-1`` for
-    llama-bench, which passes the number to llama_model_params, where negative is every layer."""
-    if n_gpu_layers >= 0:
-        return str(n_gpu_layers)
-    if layers_total:
-        return str(layers_total)
-    return "-1" if tool == "llama-bench" else "all"
-
-
-def context_tokens(n_ctx: int, n_ctx_train: int) -> int:
-    """The context llama.cpp creates: ``TRAINING_CONTEXT`` (0) means the model's training context."""
-    return n_ctx_train if n_ctx <= TRAINING_CONTEXT else n_ctx
-
-
-class FlashAttnForms(NamedTuple):
-    """One flash-attention setting in each form a llama.cpp interface takes."""
-
-    name: str  # auto | on | off: Settings, llama-server/llama-cli -fa, LLAMA_ARG_FLASH_ATTN
-    c_api: int  # llama_context_params.flash_attn_type: LLAMA_FLASH_ATTN_TYPE_AUTO -1, DISABLED 0, ENABLED 1
-    bench: str | None  # llama-bench -fa 0/1 (no "auto": left out, llama-bench's default applies)
-    high_level: bool  # llama_cpp.Llama(flash_attn=...): on or off only; "auto" is off there
-    enabled: bool  # whether llama.cpp runs flash attention where the backend supports it (auto: yes)
-
-
-def flash_attn_forms(value: Any) -> FlashAttnForms:
-    """Every form of one flash-attention setting; takes any of them (``"auto"``, ``True``, ``-1``...)."""
-    if isinstance(value, bool):
-        name = "on" if value else "off"
-    elif isinstance(value, int):
-        name = {v: k for k, v in FLASH_ATTN.items()}.get(value, "")
-    else:
-        name = str(value)
-    if name not in FLASH_ATTN:
-        raise ValueError(f"expected one of {', '.join(FLASH_ATTN)}, got {value!r}")
-    return FlashAttnForms(
-        name=name,
-        c_api=FLASH_ATTN[name],
-        bench=None if name == "auto" else ("1" if name == "on" else "0"),
-        high_level=name == "on",
-        enabled=name != "off",
-    )
 
 
 def load_mode(use_mmap: bool, use_mlock: bool) -> str:
@@ -164,6 +109,7 @@ class Option:
     help: str = ""
     switch: Any = None  # a switch without a value: the setting's value when it is given
     parse: Callable[[Any], Any] | None = None  # the option's text -> the setting's value
+    bare: Any = None  # the value when the option is given without one (``--flash-attn`` alone: on)
     multiple: bool = False
 
 
@@ -611,7 +557,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "flash_attn", "choice", "auto", choices=tuple(FLASH_ATTN),
-        option=Option(("--flash-attn", "-fa")),
+        option=Option(("--flash-attn", "-fa"), bare="on"),
         llama_kwarg="flash_attn", to_kwarg=lambda s: flash_attn_forms(s.flash_attn).high_level,
         no_kwarg="llama_cpp.Llama takes on or off only: auto is off there",
         c_api=CField("context", "flash_attn_type", lambda s: flash_attn_forms(s.flash_attn).c_api),

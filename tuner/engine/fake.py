@@ -63,10 +63,7 @@ class ScriptedRunner:
             raise KeyboardInterrupt
         self.launched.append(settings)
         info = self.models[settings.model_path]
-        est = estimate(info, n_gpu_layers=settings.n_gpu_layers, n_ctx=settings.n_ctx, type_k=settings.type_k,
-                       type_v=settings.type_v, tensor_split=settings.tensor_split, devices=list(self.devices),
-                       n_ubatch=settings.n_ubatch, flash_attn=settings.flash_attn != "off",
-                       offload_kqv=settings.offload_kqv, tensor_overrides=settings.tensor_overrides)
+        est = estimate(info, settings, devices=list(self.devices))
         report = dict(layers_offloaded=est.layers_offloaded, layers_total=info.n_layer + 1,
                       model_buffers={d: m.weights for d, m in est.devices.items() if m.weights},
                       kv_buffers={d: m.kv for d, m in est.devices.items() if m.kv},

@@ -1,7 +1,11 @@
 """Memory arithmetic: bytes per device for weights, KV cache and compute buffers, before loading.
 
-Pure functions of a ``ModelInfo`` and a candidate's settings, following llama.cpp's placement
-rules (src/llama-model.cpp ``load_tensors``, 2026):
+    est = estimate(info, Settings(model_path=info.path, n_gpu_layers=20, n_ctx=8192), devices=["CUDA0"])
+    est.devices["CUDA0"].total
+
+Pure functions of a ``ModelInfo`` and a candidate's ``tuner.Settings`` (read by attribute: this
+stage sits below the engine's and never imports it), following llama.cpp's placement rules
+(src/llama-model.cpp ``load_tensors``, 2026):
 
 - offload starts from the last layer, the output layer first:
   ``i_gpu_start = max(n_layer + 1 - ngl, 0)``; layer ``n_layer`` is the output head and norm;
@@ -12,7 +16,14 @@ rules (src/llama-model.cpp ``load_tensors``, 2026):
 - each layer's KV cache lives with the layer (unless ``offload_kqv`` is off), with
   ``n_ctx`` padded to a multiple of 256 cells, sliding-window layers holding
   ``min(n_ctx, n_swa + n_ubatch)`` cells;
-- tensors matching a ``tensor_overrides`` pattern stay on the host.
+- tensors matching one of the settings' ``host_overrides`` (``tensor_overrides`` and what other
+  settings stand for as overrides) stay on the host;
+- ``split_mode`` ``none`` puts every offloaded layer on ``main_gpu``; ``row`` is estimated as ``layer``.
+
+Each setting the arithmetic reads: ``n_gpu_layers`` (every layer: ``special.offloaded_layers``),
+``tensor_split``, ``n_ctx`` (0: ``special.context_tokens``), ``n_ubatch``, ``flash_attn``
+(``special.flash_attn_forms``), ``type_k``, ``type_v``, ``offload_kqv``, ``host_overrides``,
+``split_mode`` and ``main_gpu``. The others (batch, threads, mmap/mlock, op_offload) change no buffer llama.cpp allocates.
 
 Compute buffers are llama.cpp's graph allocator peaks; we model them from the largest live
 intermediates (attention scores or flash-attention tiles, FFN activations, logits), calibrated
@@ -21,12 +32,14 @@ against the sizes llama.cpp prints (see the closing note of the foundation issue
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import SettingsError
 from .inspect import KV_TYPE_BLOCKS, ModelInfo
+from .special import context_tokens, flash_attn_forms, offloaded_layers
 
 CPU = "CPU"
 MiB = 1 << 20
@@ -89,7 +102,7 @@ class MemoryEstimate:
 
 def layer_devices(n_layer: int, n_gpu_layers: int, devices: Sequence[str], tensor_split: Sequence[float] | None = None) -> list[str]:
     """The device of each layer 0..n_layer (the last index is the output layer)."""
-    ngl = n_layer + 1 if n_gpu_layers < 0 else n_gpu_layers
+    ngl = offloaded_layers(n_gpu_layers, n_layer)
     if not devices:
         return [CPU] * (n_layer + 1)
     split = list(tensor_split) if tensor_split else [1.0] * len(devices)
@@ -165,41 +178,38 @@ def compute_buffer(
     return (mask if has_layers else 0) + max(stages)
 
 
-def estimate(
-    model: ModelInfo,
-    *,
-    n_gpu_layers: int = 0,
-    n_ctx: int = 4096,
-    type_k: str = "f16",
-    type_v: str | None = None,
-    tensor_split: Sequence[float] | None = None,
-    devices: Sequence[str] | None = None,
-    n_ubatch: int = 512,
-    flash_attn: bool = True,
-    offload_kqv: bool = True,
-    tensor_overrides: Iterable[str] = (),
-    swa_full: bool = False,
-) -> MemoryEstimate:
-    """Bytes per device (``CPU`` plus each accelerator) for one candidate setting.
+def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None = None) -> MemoryEstimate:
+    """Bytes per device (``CPU`` plus each accelerator) for one candidate ``settings`` (a ``tuner.Settings``).
 
     ``devices`` are the accelerator names as llama.cpp prints them (``CUDA0``, ``RPC0[host:port]``);
     the default is one device ``GPU0``, or ``GPU0..GPUn-1`` for an n-way ``tensor_split``.
-    ``n_gpu_layers=-1`` means all.
     """
-    type_v = type_v or type_k
+    n_gpu_layers = settings.n_gpu_layers
+    tensor_split = settings.tensor_split
+    type_k, type_v = settings.type_k, settings.type_v
+    n_ubatch = settings.n_ubatch
+    offload_kqv = settings.offload_kqv
+    flash_attn = flash_attn_forms(settings.flash_attn).enabled
+    swa_full = False
     for name, value in (("type_k", type_k), ("type_v", type_v)):
         if value not in KV_TYPE_BLOCKS:
             raise SettingsError(name, f"expected one of {', '.join(KV_TYPE_BLOCKS)}, got {value!r}")
-    if n_ctx <= 0:
-        n_ctx = model.n_ctx_train
+    n_ctx = context_tokens(settings.n_ctx, model.n_ctx_train)
     if devices is None:
         count = len(tensor_split) if tensor_split else 1
         devices = [f"GPU{i}" for i in range(count)] if n_gpu_layers != 0 else []
     devices = list(devices)
     if tensor_split is not None and devices and len(tensor_split) > len(devices):
         raise SettingsError("tensor_split", f"{len(tensor_split)} proportions for {len(devices)} devices")
+    tensor_overrides = settings.host_overrides
     n_layer = model.n_layer
-    placement = layer_devices(n_layer, n_gpu_layers, devices, tensor_split)
+    layer_targets = devices
+    if settings.split_mode == "none" and devices:
+        # one device takes every offloaded layer: main_gpu (src/llama.cpp, llama_model_load_from_splits)
+        if settings.main_gpu >= len(devices):
+            raise SettingsError("main_gpu", f"expected a device index below {len(devices)} ({', '.join(devices)}), got {settings.main_gpu}")
+        layer_targets, tensor_split = [devices[settings.main_gpu]], None
+    placement = layer_devices(n_layer, n_gpu_layers, layer_targets, tensor_split)
     patterns = [re.compile(p) for p in tensor_overrides]
     weights: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
     kv: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
@@ -270,7 +280,7 @@ def estimate(
     }
     return MemoryEstimate(
         devices=out,
-        n_gpu_layers=n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, n_layer + 1),
+        n_gpu_layers=offloaded_layers(n_gpu_layers, n_layer),
         layers=layers,
         output_device=placement[n_layer],
         n_ctx=cells,
@@ -281,22 +291,24 @@ def estimate(
 
 def max_gpu_layers(
     model: ModelInfo,
+    settings: Any,
     free: Mapping[str, int],
     *,
     margin: int = 512 * MiB,
-    **settings: Any,
+    devices: Sequence[str] | None = None,
 ) -> int:
-    """The most layers (0..n_layer+1) whose estimate fits every device in ``free`` less ``margin``.
+    """The most layers (0..n_layer+1) whose estimate with ``settings`` (its ``n_gpu_layers`` aside)
+    fits every device in ``free`` less ``margin``.
 
-    ``free`` maps accelerator names (as passed in ``devices``) to free bytes; a ``CPU`` entry, if
-    present, is checked too. Returns 0 when even one layer does not fit.
+    ``free`` maps accelerator names (as passed in ``devices``, which default to its keys) to free
+    bytes; a ``CPU`` entry, if present, is not a limit here. Returns 0 when even one layer does not fit.
     """
-    devices = settings.pop("devices", None) or [d for d in free if d != CPU]
+    devices = list(devices) if devices else [d for d in free if d != CPU]
     best = 0
     # Memory grows with n_gpu_layers on the accelerators, so the largest that fits is found by
     # scanning up (n_layer is at most a few hundred; each step is cheap arithmetic).
     for ngl in range(0, model.n_layer + 2):
-        est = estimate(model, n_gpu_layers=ngl, devices=devices, **settings)
+        est = estimate(model, dataclasses.replace(settings, n_gpu_layers=ngl), devices=devices)
         over = [d for d in est.fits(free, margin) if d != CPU]
         if over:
             break

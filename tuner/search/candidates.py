@@ -72,11 +72,7 @@ class Candidates:
         self.learned: dict[str, int] = {}  # device -> the smallest need that ran out of memory there
 
     def estimate(self, s: Settings) -> MemoryEstimate:
-        return estimate(
-            self.models[s.model_path], n_gpu_layers=s.n_gpu_layers, n_ctx=s.n_ctx, type_k=s.type_k, type_v=s.type_v,
-            tensor_split=s.tensor_split, devices=[d.name for d in self.devices], n_ubatch=s.n_ubatch,
-            flash_attn=s.flash_attn != "off", offload_kqv=s.offload_kqv, tensor_overrides=s.tensor_overrides,
-        )
+        return estimate(self.models[s.model_path], s, devices=[d.name for d in self.devices])
 
     def check(self, s: Settings, est: MemoryEstimate) -> str | None:
         """Why a candidate must not be launched, or None."""
@@ -135,8 +131,8 @@ class Candidates:
             if sp.has_gpu:
                 info = self.models[variant]
                 free = {d.name: d.free for d in self.devices}
-                best_ngl = max_gpu_layers(info, free, margin=self.margin, devices=[d.name for d in self.devices],
-                                          n_ctx=common["n_ctx"], n_ubatch=common["n_ubatch"], flash_attn=True)
+                probe = sp.settings(variant=variant, kv="f16", flash_attn="on", **common)
+                best_ngl = max_gpu_layers(info, probe, free, margin=self.margin, devices=[d.name for d in self.devices])
                 out.append(sp.settings(variant=variant, n_gpu_layers=best_ngl, kv="f16", flash_attn="on", **common))
                 out.append(sp.settings(variant=variant, n_gpu_layers=0, kv="f16", flash_attn="on", **common))
             else:
