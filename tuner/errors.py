@@ -6,7 +6,8 @@
     │   ├── NotGGUFError           the file is not GGUF (bad magic)
     │   ├── TruncatedGGUFError     the header or tensor data run past the end of the file
     │   ├── EmptyModelError        a GGUF without tensors
-    │   └── UnsupportedArchitectureError  the sizing arithmetic lacks a key it needs
+    │   ├── UnsupportedArchitectureError  the sizing arithmetic lacks a key it needs
+    │   └── RemoteModelError       a model's URL cannot be read (HTTP error, no range support, timeout)
     ├── SettingsError              a candidate setting is invalid (before any launch)
     ├── RunnerError                the trial machinery itself failed (not a trial outcome)
     ├── RPCError                   an RPC server could not be started or reached
@@ -54,6 +55,10 @@ class EmptyModelError(ModelError):
 
 class UnsupportedArchitectureError(ModelError):
     pass
+
+
+class RemoteModelError(ModelError):
+    """A model's URL cannot be read: an HTTP error, a server without range requests, a timeout."""
 
 
 class SettingsError(TunerError, ValueError):

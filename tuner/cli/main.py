@@ -58,19 +58,34 @@ def _emit(as_json: bool, data: Any, text: Callable[[], str]) -> None:
 # -- inspect / estimate / probe --------------------------------------------------------------
 
 
+def _say_fetched(info: Any) -> None:
+    """For a model read over the network: how much was fetched, on stderr (stdout stays the
+    same answer as for the local file)."""
+    if info.fetched:
+        from ..model.remote import describe_fetched
+
+        click.echo(describe_fetched(info.fetched), err=True)
+
+
 @cli.command("inspect")
 @click.argument("model", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect_cmd(model: str, as_json: bool) -> None:
     """Shapes, quantization and per-layer sizes of a GGUF model, from its header.
 
+    MODEL is a file, or a URL: https://..., or hf://OWNER/REPO/FILE.gguf (a Hugging Face file;
+    hf://OWNER/REPO@REVISION/FILE.gguf for a branch, tag or commit). For a URL only the header and
+    tensor table are fetched, with range requests; HF_TOKEN is sent for private repositories.
+
     \b
-    Example:
+    Examples:
       offload-tuner inspect model-Q4_K_M.gguf --json
+      offload-tuner inspect hf://OWNER/REPO/model-Q4_K_M.gguf
     """
     from ..model.inspect import describe, inspect
 
     info = inspect(model)
+    _say_fetched(info)
     _emit(as_json, info.to_dict(), lambda: describe(info))
 
 
@@ -154,16 +169,19 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, devices: 
     """Memory per device (weights, KV cache, compute) before loading anything.
 
     Takes bench's settings options (the same names as llama.cpp's); -ngl -1 is every layer.
+    MODEL is a file or a URL (as for inspect): a model can be sized before its download.
 
     \b
     Examples:
       offload-tuner estimate model.gguf --n-gpu-layers 20 --ctx 8192 --kv-type q8_0
       offload-tuner estimate model.gguf --free 8000 --ctx 8192      # most layers that fit
+      offload-tuner estimate hf://OWNER/REPO/model-Q4_K_M.gguf --free 24000 --ctx 32768
     """
     from ..model.estimate import estimate, format_estimate, max_gpu_layers
     from ..model.inspect import inspect
 
     info = inspect(model)
+    _say_fetched(info)
     n_gpu_layers = opts["n_gpu_layers"]
     if kv_type is not None:
         opts["type_k"] = opts["type_v"] = kv_type
@@ -426,6 +444,10 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
         n_prompt, n_gen = min(n_prompt, 256), min(n_gen, 64)
     if not model:
         raise click.UsageError("give a MODEL (a .gguf file), or --demo")
+    from ..model.gguf import check_path
+
+    for path in (model, *variants):
+        check_path(path)  # a URL: tune runs the model, so it must be on disk
     result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
                   min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
                   vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,

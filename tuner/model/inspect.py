@@ -1,12 +1,14 @@
 """What a GGUF file is, from its header alone: shapes, quantization, and what every part costs.
 
-``inspect(path)`` reads the GGUF metadata and tensor table (the ``gguf`` package) and returns a
+``inspect(path)`` reads the GGUF metadata and tensor table (``tuner.model.gguf``'s reader, from a
+file, or from bytes fetched over HTTP by ``tuner.model.remote`` for a URL) and returns a
 ``ModelInfo``: the architecture's hyperparameters, bytes per repeating layer split by role
 (attention, FFN, MoE experts, norms), the non-repeating tensors (token embedding, output head
 and norm), and KV cache bytes per token for each KV cache type. The memory arithmetic
 (``tuner.model.estimate``) stands on it.
 
-Split models (``name-00001-of-00003.gguf``) are read part by part.
+Split models (``name-00001-of-00003.gguf``) are read part by part. The ``gguf`` package gives
+the ggml type names and block sizes only.
 """
 
 from __future__ import annotations
@@ -102,6 +104,13 @@ class ModelInfo:
     header_hash: str
     tensor_types: dict[str, int] = field(default_factory=dict)  # ggml type -> count
     tensors: tuple[TensorInfo, ...] = field(default=(), repr=False)
+    # For a URL: what was read and from where (``tuner.model.remote.RemoteHeaders.to_dict``).
+    fetched: dict[str, Any] | None = field(default=None, compare=False)
+
+    @property
+    def file_name(self) -> str:
+        """The model file's name (the last part of a URL's path for a URL)."""
+        return _file_name(self.path)
 
     @property
     def bytes_per_layer(self) -> int:
@@ -121,7 +130,7 @@ class ModelInfo:
 
     def fingerprint(self) -> dict[str, Any]:
         return {
-            "file_name": Path(self.path).name,
+            "file_name": self.file_name,
             "size": self.file_size,
             "header_hash": self.header_hash,
             "architecture": self.architecture,
@@ -134,12 +143,14 @@ class ModelInfo:
         for key in ("architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "n_vocab", "n_ff", "expert_count"):
             mine, theirs = getattr(self, key), getattr(other, key)
             if mine != theirs:
-                return f"{key} differs ({theirs} in {Path(other.path).name}, {mine} in {Path(self.path).name})"
+                return f"{key} differs ({theirs} in {other.file_name}, {mine} in {self.file_name})"
         return None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("tensors")
+        if out["fetched"] is None:
+            out.pop("fetched")
         out["layer_bytes"] = [asdict(l) | {"total": l.total} for l in self.layer_bytes]
         out["bytes_per_repeating_layer"] = {
             role: sum(getattr(l, role) for l in self.layer_bytes) // max(1, self.n_layer)
@@ -148,6 +159,16 @@ class ModelInfo:
         out["bytes_per_repeating_layer"]["total"] = self.bytes_per_layer
         out["head_sizes"] = {"k": self.head_size_k, "v": self.head_size_v}
         return out
+
+
+def _file_name(path: str) -> str:
+    from .remote import is_url
+
+    if is_url(path):
+        from urllib.parse import unquote, urlsplit
+
+        return unquote(urlsplit(path).path.rstrip("/").rsplit("/", 1)[-1])
+    return Path(path).name
 
 
 def _row_size(type_name: str, n: int) -> int:
@@ -162,66 +183,48 @@ def _role(name: str) -> str:
     return "other"
 
 
-def _field(reader: Any, key: str) -> Any:
-    f = reader.get_field(key)
-    if f is None:
-        return None
-    value = f.contents()
-    return value
-
-
 def inspect(path: str | Any) -> ModelInfo:
-    """Read a GGUF model's facts and sizes. Raises a ``ModelError`` subclass on bad input."""
-    import gguf
+    """Read a GGUF model's facts and sizes. Raises a ``ModelError`` subclass on bad input.
 
+    ``path`` is a file, or a URL (``https://...``, ``http://...``, ``hf://OWNER/REPO/FILE.gguf``):
+    then only the header and tensor table of each part are fetched, with range requests, and the
+    answer is the same as for the downloaded file but for ``path`` (the URL) and ``fetched``
+    (what was read, and from where).
+    """
+    from . import remote
+
+    if remote.is_url(path):
+        got = remote.read_headers(str(path))
+        return _model_info(str(path), list(zip(got.urls, got.headers)), fetched=got.to_dict())
     first = check_path(path)
     parts = split_parts(first)
     for part in parts:
         if not part.exists():
             raise ModelNotFoundError(part, f"part of the split model {first.name} is missing; all {len(parts)} parts must sit side by side")
-    # Our own header reader first: clear errors for a bad magic or a truncated file before
-    # numpy sees it, and the header hash, read once per part.
-    headers = []
-    readers = []
-    for part in parts:
-        headers.append(header_info(part))
-        _check_tensor_data(part, headers[-1])
-        try:
-            readers.append(gguf.GGUFReader(str(part), "r"))
-        except (ValueError, IndexError, OSError) as exc:
-            raise TruncatedGGUFError(part, f"cannot read the GGUF tensor table ({exc}); the file is damaged or truncated") from None
-    reader = readers[0]
-    arch = _field(reader, "general.architecture")
+    # One pass over each part's header: our own reader gives clear errors for a bad magic or a
+    # truncated file, the header hash and every metadata value.
+    return _model_info(str(first), [(part, header_info(part, values=True)) for part in parts])
+
+
+def _model_info(path: str, parts: list[tuple[Any, dict]], fetched: dict | None = None) -> ModelInfo:
+    """A ``ModelInfo`` from the parsed headers (``read_header(..., values=True)``) of each part,
+    in order, each with the path or URL that names it in errors."""
+    first = parts[0][0]
+    fields = parts[0][1]["fields"]
+    arch = fields.get("general.architecture")
     if not arch:
         raise UnsupportedArchitectureError(first, "no general.architecture key; this GGUF does not describe a model")
     arch = str(arch)
 
     tensors: list[TensorInfo] = []
-    file_size = 0
-    for part, r in zip(parts, readers):
-        size = part.stat().st_size
-        file_size += size
-        for t in r.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise TruncatedGGUFError(
-                    part,
-                    f"truncated GGUF: tensor {t.name} ends at byte {end} but the file has {size} bytes; re-download or re-convert it",
-                )
-            tensors.append(
-                TensorInfo(
-                    name=t.name,
-                    type=gguf.GGMLQuantizationType(int(t.tensor_type)).name,
-                    shape=tuple(int(x) for x in t.shape),
-                    n_bytes=int(t.n_bytes),
-                    n_elements=int(t.n_elements),
-                )
-            )
+    for source, header in parts:
+        tensors.extend(_tensors(source, header))
+    file_size = sum(header["size"] for _, header in parts)
     if not tensors:
         raise EmptyModelError(first, "the GGUF holds no tensors (a vocabulary-only or metadata-only file?); it cannot be run")
 
     def key(name: str, required: bool = True, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{name}")
+        value = fields.get(f"{arch}.{name}")
         if value is None:
             if required:
                 raise UnsupportedArchitectureError(
@@ -251,7 +254,7 @@ def inspect(path: str | Any) -> ModelInfo:
     expert_used = int(key("expert_used_count", required=False, default=0) or 0)
     sliding_window = key("attention.sliding_window", required=False)
     sliding_window = int(sliding_window) if sliding_window else None
-    swa_layers = _swa_layers(reader, arch, n_layer, sliding_window)
+    swa_layers = _swa_layers(fields, arch, n_layer, sliding_window)
 
     layer_roles: list[dict[str, int]] = [dict(attention=0, ffn=0, experts=0, norms=0, other=0) for _ in range(n_layer)]
     nonrep = {"token_embd": 0, "output": 0, "output_norm": 0, "other": 0}
@@ -281,14 +284,15 @@ def inspect(path: str | Any) -> ModelInfo:
     if not kv_layers and arch in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3"):
         raise UnsupportedArchitectureError(first, f"cannot size the KV cache: no attn_k tensors found in {arch!r}")
 
-    quant_name = _quantization_name(_field(reader, "general.file_type"), type_counts)
+    file_type = fields.get("general.file_type")
+    quant_name = _quantization_name(file_type, type_counts)
     n_params = sum(t.n_elements for t in tensors)
-    name = _field(reader, "general.name")
-    vocab = _field(reader, "tokenizer.ggml.tokens")
+    name = fields.get("general.name")
+    vocab = fields.get("tokenizer.ggml.tokens")
     n_vocab = int(key("vocab_size", required=False, default=0) or 0) or (len(vocab) if vocab is not None else 0)
 
     result = ModelInfo(
-        path=str(first),
+        path=path,
         architecture=arch,
         name=str(name) if name is not None else None,
         n_layer=n_layer,
@@ -303,7 +307,7 @@ def inspect(path: str | Any) -> ModelInfo:
         n_ff=n_ff,
         expert_count=expert_count,
         expert_used_count=expert_used,
-        file_type=int(_field(reader, "general.file_type")) if _field(reader, "general.file_type") is not None else None,
+        file_type=int(file_type) if file_type is not None else None,
         quantization=quant_name,
         n_params=n_params,
         file_size=file_size,
@@ -315,9 +319,10 @@ def inspect(path: str | Any) -> ModelInfo:
         kv_layers=kv_layers,
         sliding_window=sliding_window,
         swa_layers=swa_layers,
-        header_hash=combined_hash(headers),
+        header_hash=combined_hash([header for _, header in parts]),
         tensor_types=type_counts,
         tensors=tuple(tensors),
+        fetched=fetched,
     )
     kv = {
         t: sum(result.kv_bytes_per_token_layer(i, t, t) for i in range(n_layer))
@@ -328,30 +333,36 @@ def inspect(path: str | Any) -> ModelInfo:
     return result
 
 
-def _check_tensor_data(path: Path, header: dict) -> None:
-    """Every tensor's bytes must lie inside the file (a cut download fails here, by name)."""
+def _tensors(source: Any, header: dict) -> list[TensorInfo]:
+    """The tensors of one part; every tensor's bytes must lie inside the file (a cut download
+    fails here, by name). For a URL the file's size is the server's, not what was fetched."""
     import gguf
 
     size = header["size"]
+    out = []
     for name, dims, ggml_type, offset in header["tensors"]:
         try:
-            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+            qtype = gguf.GGMLQuantizationType(ggml_type)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise NotGGUFError(path, f"tensor {name} has an unknown ggml type {ggml_type}; this gguf package is older than the file") from None
+            raise NotGGUFError(source, f"tensor {name} has an unknown ggml type {ggml_type}; this gguf package is older than the file") from None
         n = 1
         for d in dims:
             n *= d
-        end = header["data_offset"] + offset + n // block * type_size
+        n_bytes = n // block * type_size
+        end = header["data_offset"] + offset + n_bytes
         if end > size:
             raise TruncatedGGUFError(
-                path, f"truncated GGUF: tensor {name} ends at byte {end} but the file has {size} bytes; re-download or re-convert it"
+                source, f"truncated GGUF: tensor {name} ends at byte {end} but the file has {size} bytes; re-download or re-convert it"
             )
+        out.append(TensorInfo(name=name, type=qtype.name, shape=tuple(int(d) for d in dims), n_bytes=n_bytes, n_elements=n))
+    return out
 
 
-def _swa_layers(reader: Any, arch: str, n_layer: int, window: int | None) -> tuple[int, ...]:
+def _swa_layers(fields: dict[str, Any], arch: str, n_layer: int, window: int | None) -> tuple[int, ...]:
     if not window:
         return ()
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    pattern = fields.get(f"{arch}.attention.sliding_window_pattern")
     if isinstance(pattern, list):  # per-layer booleans (newer converters)
         return tuple(i for i, is_swa in enumerate(pattern) if is_swa)
     # llama.cpp's defaults by architecture (src/llama-model.cpp, set_swa_pattern): every Nth
@@ -381,7 +392,7 @@ def describe(info: ModelInfo) -> str:
     """A few lines a person reads."""
     mib = 1 << 20
     lines = [
-        f"{Path(info.path).name}: {info.architecture} {info.quantization}, {info.n_params / 1e6:.1f} M params, {info.file_size / mib:.1f} MiB"
+        f"{info.file_name}: {info.architecture} {info.quantization}, {info.n_params / 1e6:.1f} M params, {info.file_size / mib:.1f} MiB"
         + (f" in {info.split_count} parts" if info.split_count > 1 else ""),
         f"  layers {info.n_layer}, n_embd {info.n_embd}, heads {info.n_head} (KV {info.n_head_kv}), head size {info.head_size_k}/{info.head_size_v}, "
         f"n_ff {info.n_ff}, vocab {info.n_vocab}, n_ctx_train {info.n_ctx_train}",
