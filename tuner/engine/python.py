@@ -23,13 +23,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .base import BenchSpec, Stats, TrialResult
 from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
 from .process import LOG_MARK, kill_group, project_pythonpath
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .scoring import ScoringJob, ScoringResult
 
 CONTEXT_MARK = f"{LOG_MARK} context begins"
 
@@ -256,7 +259,36 @@ class TrialRunner:
             for i, s in enumerate(candidates)
         ]
 
-    def _exchange(self, request: dict[str, Any], deadline: float) -> "_Exchange":
+    def score_corpus(self, settings: Settings, job: "ScoringJob", *,
+                     on_progress: Callable[[dict[str, Any]], None] | None = None) -> "ScoringResult":
+        """One pass over a text for quality (``tuner.engine.scoring``): the reference's compact
+        distributions, or another model's KL against them, written to ``job.out``.
+
+        The model is loaded (or reused) as ``settings`` say; the context is ``job.n_ctx`` tokens.
+        The time limit is ``timeout_s`` without progress: each scored chunk resets it."""
+        from .scoring import ScoringResult
+
+        started = time.perf_counter()
+        if not Path(settings.model_path).is_file():
+            c = classify(rejected=f"model file not found: {settings.model_path}")
+            return ScoringResult(c.outcome, c.message, job)
+        if self._proc is not None and (not self.reuse_model or settings.model_key != self._model_key or self._proc.poll() is not None):
+            self._retire(graceful=True)
+        request = {"op": "score", "settings": _wire(settings), "job": job.to_dict()}
+        x = self._exchange(request, started + self.timeout_s, on_progress=on_progress)
+        report = parse_log(x.segment)
+        c = self._classify(x, report)
+        reply = x.reply or {}
+        self._model_key = settings.model_key if c.outcome is Outcome.OK or (reply and c.outcome is Outcome.BAD_SETTINGS) else None
+        return ScoringResult(
+            outcome=c.outcome, message=c.message, job=job, corpus_tokens=reply.get("corpus_tokens"),
+            tokens_needed=reply.get("tokens_needed"), rows=int(reply.get("rows") or 0), n_vocab=reply.get("n_vocab"),
+            bytes=int(reply.get("bytes") or 0), seconds=float(reply.get("seconds") or time.perf_counter() - started),
+            mean_entries=reply.get("mean_entries"), log=x.segment,
+        )
+
+    def _exchange(self, request: dict[str, Any], deadline: float,
+                  on_progress: Callable[[dict[str, Any]], None] | None = None) -> "_Exchange":
         """Send one request to the worker (started if needed) and wait for its reply or its end."""
         if self._proc is None:
             self._start()
@@ -270,7 +302,7 @@ class TrialRunner:
         try:
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()
-            reply, timed_out = self._await_reply(proc, deadline)
+            reply, timed_out = self._await_reply(proc, deadline, on_progress)
         except BrokenPipeError:
             reply = None
         except BaseException:
@@ -298,7 +330,10 @@ class TrialRunner:
             self._retire()  # a failed worker is never reused
         return c
 
-    def _await_reply(self, proc: subprocess.Popen, deadline: float) -> tuple[dict[str, Any] | None, bool]:
+    def _await_reply(self, proc: subprocess.Popen, deadline: float,
+                     on_progress: Callable[[dict[str, Any]], None] | None = None) -> tuple[dict[str, Any] | None, bool]:
+        """The worker's reply. Lines ``{"progress": ...}`` before it (long passes send them) go to
+        ``on_progress`` and move the deadline: the limit is then on time without progress."""
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         buffer = b""
@@ -315,12 +350,18 @@ class TrialRunner:
                 if not chunk:
                     return None, False
                 buffer += chunk
-                if b"\n" in buffer:
-                    line = buffer.split(b"\n", 1)[0]
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
                     try:
-                        return json.loads(line), False
+                        message = json.loads(line)
                     except ValueError:
                         return {"status": "error", "message": f"unreadable reply: {line[:200]!r}"}, False
+                    if isinstance(message, dict) and "progress" in message and "status" not in message:
+                        deadline = time.perf_counter() + self.timeout_s
+                        if on_progress is not None:
+                            on_progress(message["progress"])
+                        continue
+                    return message, False
         finally:
             sel.close()
 

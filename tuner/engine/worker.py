@@ -70,7 +70,15 @@ class Worker:
             if request.get("op") == "exit":
                 break
             try:
-                self.send(paired(self, request) if request.get("op") == "paired" else self.trial(request))
+                op = request.get("op")
+                if op == "paired":
+                    self.send(paired(self, request))
+                elif op == "score":  # a pass over a text for quality (tuner.engine.scoring)
+                    from .scoring import score_corpus
+
+                    self.send(score_corpus(self, request))
+                else:
+                    self.send(self.trial(request))
             except Exception as exc:  # a Python-side failure is a reply, not a silent death
                 _log(traceback.format_exc())
                 self.send({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
