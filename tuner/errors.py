@@ -12,6 +12,8 @@
     ├── RunnerError                the trial machinery itself failed (not a trial outcome)
     ├── RPCError                   an RPC server could not be started or reached
     ├── StudyError                 the tune loop cannot go on (e.g. no candidate fits)
+    ├── QualityError               quality cannot be measured (no corpus, a corpus too short, ...)
+    ├── QuantizeError              a quantization variant cannot be made (requantizing, no disk, ...)
     └── ProfileError               a profile cannot be used
         ├── ProfileValidationError a field is wrong (dotted path in the message)
         ├── SchemaVersionError     a profile of an unknown major schema version
@@ -79,6 +81,16 @@ class RPCError(TunerError):
 
 class StudyError(TunerError):
     pass
+
+
+class QualityError(TunerError):
+    """Quality cannot be measured: the corpus is missing, not UTF-8 or too short, the engine cannot
+    score text, or llama.cpp failed while scoring. The message says what to change."""
+
+
+class QuantizeError(TunerError):
+    """A quantization variant cannot be made: an unknown type, an already-quantized source without
+    ``allow_requantize``, too little free disk, or llama.cpp's quantizer failed."""
 
 
 class ProfileError(TunerError):

@@ -7,8 +7,8 @@ and the demo use them; nothing is downloaded.
     path = make_model("/tmp/m.gguf", ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2))
     q8 = quantize(path, "/tmp/m-q8_0.gguf", "Q8_0")       # llama.cpp's own quantizer
 
-Quantization runs llama.cpp's ``llama_model_quantize`` in a child process, so the caller never
-imports llama_cpp.
+Quantization runs llama.cpp's ``llama_model_quantize`` in a child process (``tuner.model.quantize``),
+so the caller never imports llama_cpp.
 """
 
 from __future__ import annotations
@@ -17,36 +17,11 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TunerError
-
-# llama_ftype values (include/llama.h) for the quantizations worth making here.
-FTYPES: dict[str, int] = {
-    "F32": 0,
-    "F16": 1,
-    "Q4_0": 2,
-    "Q4_1": 3,
-    "Q8_0": 7,
-    "Q5_0": 8,
-    "Q5_1": 9,
-    "Q2_K": 10,
-    "Q3_K_S": 11,
-    "Q3_K_M": 12,
-    "Q3_K_L": 13,
-    "Q4_K_S": 14,
-    "Q4_K_M": 15,
-    "Q5_K_S": 16,
-    "Q5_K_M": 17,
-    "Q6_K": 18,
-    "IQ4_NL": 25,
-    "IQ3_S": 26,
-    "IQ3_M": 27,
-    "IQ4_XS": 30,
-    "BF16": 32,
-}
+from .quantize import FTYPES, quantize_file
 
 
 @dataclass(frozen=True)
@@ -116,11 +91,17 @@ def make_model(
     seed: int = 0,
     dtype: str = "F16",
     split_max_tensors: int = 0,
+    output_std: float = 0.02,
 ) -> Path:
     """Write a llama-architecture GGUF with random weights that llama.cpp loads and runs.
 
     ``split_max_tensors > 0`` writes a split model (``NAME-00001-of-0000N.gguf`` beside ``path``)
     and returns its first part.
+
+    ``output_std`` is the spread of the output head's weights. At the default the logits are
+    nearly flat (every next token about equally likely), which is all a speed test needs; a
+    quality test wants peaked distributions, as a trained model has: about ``4 / sqrt(n_embd)``
+    gives a few likely tokens per position.
     """
     import gguf
     import numpy as np
@@ -163,9 +144,9 @@ def make_model(
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
 
-    def weight(*shape_: int) -> "np.ndarray":
+    def weight(*shape_: int, std: float = 0.02) -> "np.ndarray":
         # numpy shape is (rows, cols) = ggml's ne reversed; std 0.02 keeps activations finite.
-        return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np_dtype)
+        return (rng.standard_normal(shape_, dtype=np.float32) * std).astype(np_dtype)
 
     def norm(n: int) -> "np.ndarray":
         return np.ones(n, dtype=np.float32)  # 1-d tensors stay F32, as converters write them
@@ -189,7 +170,7 @@ def make_model(
             writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(s.n_ff, s.n_embd))
             writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(s.n_embd, s.n_ff))
     writer.add_tensor("output_norm.weight", norm(s.n_embd))
-    writer.add_tensor("output.weight", weight(s.n_vocab, s.n_embd))
+    writer.add_tensor("output.weight", weight(s.n_vocab, s.n_embd, std=output_std))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -204,35 +185,10 @@ def make_model(
     return out
 
 
-_QUANTIZE_SCRIPT = r"""
-import json, sys
-import llama_cpp
-src, dst, ftype, nthread = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = ftype
-params.nthread = nthread
-rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
-sys.exit(0 if rc == 0 else 3)
-"""
-
-
 def quantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtype: str = "Q8_0", *, nthread: int = 0) -> Path:
-    """Quantize ``src`` into ``dst`` with llama.cpp's own quantizer (``llama_model_quantize``)."""
-    qtype = qtype.upper()
-    if qtype not in FTYPES:
-        raise ValueError(f"unknown quantization {qtype!r}; known: {', '.join(FTYPES)}")
-    out = Path(dst)
-    tmp = out.with_name(out.name + ".part")
-    proc = subprocess.run(
-        [sys.executable, "-c", _QUANTIZE_SCRIPT, str(src), str(tmp), str(FTYPES[qtype]), str(nthread)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0 or not tmp.exists():
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise TunerError(f"llama.cpp could not quantize {src} to {qtype} (exit {proc.returncode}): {tail}")
-    os.replace(tmp, out)
-    return out
+    """Quantize ``src`` into ``dst`` with llama.cpp's own quantizer (``llama_model_quantize``, in a
+    child process; ``tuner.model.quantize`` has the cached variants, imatrix and progress)."""
+    return quantize_file(src, dst, qtype, nthread=nthread)
 
 
 def demo_models(folder: str | os.PathLike[str] | None = None, quants: tuple[str, ...] = ("Q8_0", "Q4_K_M")) -> list[Path]:
