@@ -25,6 +25,8 @@ _EXPORTS = {
     "ProfileMismatchError": "errors",
     "StudyError": "errors",
     "RPCError": "errors",
+    "QualityError": "errors",
+    "QuantizeError": "errors",
     # foundation
     "Settings": "engine.settings",
     "Machine": "machine.probe",
@@ -46,6 +48,9 @@ _EXPORTS = {
     "tune": "search.study",
     "Tuner": "search.study",
     "TuneResult": "search.study",
+    # quality
+    "quality": "search.quality",
+    "QualityReport": "search.quality",
     # profiles and apps
     "Profile": "profile.document",
     "read_profile": "profile.store",

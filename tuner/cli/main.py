@@ -506,8 +506,10 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
 def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
     from .profile import profile_group
+    from .quality import quality_cmd
 
     cli.add_command(profile_group)
+    cli.add_command(quality_cmd)
 
 
 _mount_subcommands()
