@@ -31,41 +31,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import QuantizeError
+from .quant import FILE_TYPES, quantized_size
 
-# llama_ftype values (include/llama.h) for the quantizations worth making here.
-FTYPES: dict[str, int] = {
-    "F32": 0,
-    "F16": 1,
-    "Q4_0": 2,
-    "Q4_1": 3,
-    "Q8_0": 7,
-    "Q5_0": 8,
-    "Q5_1": 9,
-    "Q2_K": 10,
-    "Q3_K_S": 11,
-    "Q3_K_M": 12,
-    "Q3_K_L": 13,
-    "Q4_K_S": 14,
-    "Q4_K_M": 15,
-    "Q5_K_S": 16,
-    "Q5_K_M": 17,
-    "Q6_K": 18,
-    "IQ4_NL": 25,
-    "IQ3_S": 26,
-    "IQ3_M": 27,
-    "IQ4_XS": 30,
-    "BF16": 32,
-}
-# Bits per weight of each file type's main ggml type (ggml/src/ggml.c type_traits: bytes per block
-# * 8 / block size). The _M/_L mixes keep some tensors a type or two higher; the disk check adds
-# a bit per weight for them, so these are only ever used as an upper bound of the file size.
-_NOMINAL_BPW: dict[str, float] = {
-    "F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_1": 6, "Q5_0": 5.5, "Q5_K_S": 5.5,
-    "Q5_K_M": 5.5, "Q4_1": 5, "Q4_0": 4.5, "Q4_K_S": 4.5, "Q4_K_M": 4.5, "IQ4_NL": 4.5, "IQ4_XS": 4.25,
-    "Q3_K_S": 3.4375, "Q3_K_M": 3.4375, "Q3_K_L": 3.4375, "IQ3_S": 3.4375, "IQ3_M": 3.4375, "Q2_K": 2.625,
-}
+# llama_ftype values by the names llama-quantize takes (tuner.model.quant keeps the table).
+FTYPES: dict[str, int] = {name: ft.ftype for name, ft in FILE_TYPES.items()}
 HIGH_PRECISION = ("F32", "F16", "BF16")
-_HEADROOM = 64 << 20  # metadata, and some room left for the rest of the machine
+_HEADROOM = 64 << 20  # some room left for the rest of the machine
 _SOURCE_SUFFIX_RE = re.compile(r"[-_.](F32|F16|BF16|f32|f16|bf16)$")
 # llama.cpp's per-tensor progress line, src/llama-quant.cpp (2024-2026):
 #   LLAMA_LOG_INFO("[%4d/%4d] %-36s - [%s], type = %6s, ", ++idx, ml.n_tensors, ...)
@@ -95,10 +66,10 @@ def variant_name(source: Path, qtype: str) -> str:
     return f"{stem}-{qtype}.gguf"
 
 
-def expected_size(n_params: int, qtype: str) -> int:
-    """An upper bound of a variant's size in bytes, for the free-disk check."""
-    bpw = _NOMINAL_BPW.get(qtype, 16.0) + (0.0 if qtype in HIGH_PRECISION or qtype.endswith("_0") else 1.0)
-    return int(n_params * bpw / 8) + (4 << 20)
+def expected_size(info: Any, qtype: str, *, imatrix: bool = False) -> int:
+    """The variant's size in bytes, for the free-disk check: its tensor data as llama.cpp's rules
+    give it (``tuner.model.quant``) and the source's header (the metadata is copied)."""
+    return quantized_size(info, qtype, imatrix=imatrix).n_bytes + (info.file_size - sum(t.n_bytes for t in info.tensors))
 
 
 def make_variants(
@@ -129,6 +100,9 @@ def make_variants(
             f"{src}: already quantized ({info.quantization}); quantizing it again compounds the rounding error. "
             "Give an F32, F16 or BF16 source, or pass --allow-requantize"
         )
+    for qtype in wanted:
+        if FILE_TYPES[qtype].needs_imatrix and not imatrix:
+            raise QuantizeError(f"{qtype} needs an importance matrix (llama.cpp refuses to make it without one): give --imatrix FILE")
     matrix = _read_imatrix(Path(imatrix)) if imatrix else None
     key = file_sha256(src)[:16]
     if imatrix:
@@ -147,7 +121,7 @@ def make_variants(
             emit({"kind": "quantize_reused", "type": qtype, "path": str(target)})
             out.append(target)
             continue
-        need = min(expected_size(info.n_params, qtype), max(info.file_size, 1) * 2) + _HEADROOM
+        need = expected_size(info, qtype, imatrix=matrix is not None) + _HEADROOM
         free = shutil.disk_usage(base).free
         if free < need:
             raise QuantizeError(

@@ -453,7 +453,7 @@ def quality(
     file to compare against (default: the most bits per weight). Raises ``QualityError``,
     ``QuantizeError`` or a ``ModelError`` on bad input, each with one line saying what to change.
     """
-    from .study import expand_variants
+    from .variants import expand_variants
 
     emit = on_event or (lambda event: None)
     main = inspect(model)
