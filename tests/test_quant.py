@@ -34,8 +34,8 @@ from tuner.testing import ModelShape, llama_cpp_source, make_model, quantize
 CASES = {
     # 8 layers: use_more_bits picks layers 0, 2, 5, 6, 7; n_head/n_head_kv = 4 takes the GQA>=4 branches
     "gqa4": (ModelShape(n_layer=8, n_embd=256, n_head=4, n_head_kv=1, n_ff=512, n_vocab=512),
-             ("Q8_0", "Q6_K", "Q5_K_M", "Q5_K_S", "Q5_0", "Q4_K_M", "Q4_K_S", "Q4_0", "IQ4_NL", "IQ4_XS", "Q3_K_L",
-              "Q3_K_M", "Q3_K_S", "IQ3_M", "Q2_K")),
+             ("Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q4_K_M", "Q4_K_S", "IQ4_NL", "IQ4_XS", "Q3_K_L", "Q3_K_M", "IQ3_M",
+              "Q2_K")),
     # GQA 2 takes the other branches of the attn_v rules
     "gqa2": (ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=512),
              ("Q2_K", "IQ4_XS", "IQ3_S")),

@@ -421,11 +421,11 @@ def tensor_types(info: ModelInfo, quantization: str, *, imatrix: bool = False) -
 def _approximations(info: ModelInfo, ft: FileType, imatrix: bool) -> tuple[str, ...]:
     notes = []
     if ft.needs_imatrix and not imatrix:
-        notes.append(f"llama.cpp makes {ft.name} only with an importance matrix; sizes assume none was given "
-                     "(a few tensors may get another type with one)")
+        notes.append("llama.cpp makes this quantization only with an importance matrix; the sizes assume none "
+                     "(with one, a few tensors may get another type)")
     elif ft.name in ("IQ3_XXS", "IQ4_NL", "IQ4_XS", "Q4_0", "Q5_0"):
-        notes.append(f"with an importance matrix, {ft.name} gives some ffn_down/attn_v tensors another type; "
-                     + ("sizes assume one" if imatrix else "sizes assume none"))
+        notes.append("with an importance matrix some ffn_down/attn_v tensors get another type; "
+                     + ("the sizes assume one" if imatrix else "the sizes assume none"))
     known = {"llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "mistral", "gemma", "gemma2", "gemma3", "phi3", "falcon",
              "mixtral", "command-r", "cohere2", "granite", "olmo", "olmo2", "starcoder2", "stablelm", "internlm2"}
     if info.architecture not in known:

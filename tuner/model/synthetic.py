@@ -25,6 +25,8 @@ def llama_like(
     n_vocab: int,
     n_expert: int = 0,
     n_expert_used: int = 0,
+    n_ff_exp: int | None = None,
+    n_expert_shared: int = 0,
     head_dim: int | None = None,
     n_ctx_train: int = 4096,
     tied_embeddings: bool = False,
@@ -32,7 +34,10 @@ def llama_like(
     architecture: str = "llama",
     name: str | None = None,
 ) -> ModelInfo:
-    """A model of this shape with every 2-d weight in ``weight_type`` and 1-d tensors in F32."""
+    """A model of this shape with every 2-d weight in ``weight_type`` and 1-d tensors in F32.
+
+    A mixture of experts has ``n_expert`` experts of ``n_ff_exp`` (default ``n_ff``) per layer, and
+    ``n_expert_shared`` shared experts of that size beside them (``ffn_*_shexp``)."""
     if min(n_layer, n_embd, n_head, n_vocab) <= 0 or n_head_kv < 0 or n_ff < 0:
         raise ValueError("n_layer, n_embd, n_head and n_vocab must be positive")
     hd = head_dim or n_embd // n_head
@@ -55,10 +60,15 @@ def llama_like(
         add(f"blk.{i}.attn_output.weight", q_dim, n_embd)
         add(f"blk.{i}.ffn_norm.weight", n_embd)
         if n_expert:
+            ff = n_ff_exp or n_ff
             add(f"blk.{i}.ffn_gate_inp.weight", n_embd, n_expert, ggml_type="F32")
-            add(f"blk.{i}.ffn_gate_exps.weight", n_embd, n_ff, n_expert)
-            add(f"blk.{i}.ffn_up_exps.weight", n_embd, n_ff, n_expert)
-            add(f"blk.{i}.ffn_down_exps.weight", n_ff, n_embd, n_expert)
+            add(f"blk.{i}.ffn_gate_exps.weight", n_embd, ff, n_expert)
+            add(f"blk.{i}.ffn_up_exps.weight", n_embd, ff, n_expert)
+            add(f"blk.{i}.ffn_down_exps.weight", ff, n_embd, n_expert)
+            if n_expert_shared:
+                add(f"blk.{i}.ffn_gate_shexp.weight", n_embd, ff * n_expert_shared)
+                add(f"blk.{i}.ffn_up_shexp.weight", n_embd, ff * n_expert_shared)
+                add(f"blk.{i}.ffn_down_shexp.weight", ff * n_expert_shared, n_embd)
         else:
             add(f"blk.{i}.ffn_gate.weight", n_embd, n_ff)
             add(f"blk.{i}.ffn_up.weight", n_embd, n_ff)
