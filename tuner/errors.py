@@ -14,6 +14,8 @@
     ├── StudyError                 the tune loop cannot go on (e.g. no candidate fits)
     ├── QualityError               quality cannot be measured (no corpus, a corpus too short, ...)
     ├── QuantizeError              a quantization variant cannot be made (requantizing, no disk, ...)
+    ├── MachineSpecError           a described machine (--device, --ram, --machine FILE) cannot be read
+    ├── LogUnreadableError         a llama.cpp log holds nothing that says what happened at load
     └── ProfileError               a profile cannot be used
         ├── ProfileValidationError a field is wrong (dotted path in the message)
         ├── SchemaVersionError     a profile of an unknown major schema version
@@ -115,3 +117,11 @@ class NoMatchingProfileError(ProfileError):
 
 class ProfileMismatchError(ProfileError):
     pass
+
+
+class MachineSpecError(TunerError):
+    """A described machine (``--device NAME=SIZE``, ``--ram``, ``--machine FILE``) cannot be read."""
+
+
+class LogUnreadableError(TunerError):
+    """A log holds none of the lines that say what happened at load; the message says what was missing."""

@@ -159,27 +159,58 @@ def _floats(value: str | None) -> tuple[float, ...] | None:
 @click.argument("model", type=click.Path())
 @click.option("--kv-type", default=None, help="KV cache type for K and V at once (f16, q8_0, q4_0, ...); sets -ctk and -ctv.")
 @click.option("--no-flash-attn", "no_flash_attn", is_flag=True, help="The same as --flash-attn off.")
-@click.option("--devices", default=None, help="Accelerator names as llama.cpp prints them, e.g. CUDA0,CUDA1.")
-@click.option("--free", "free_mib", default=None, help="Free MiB per device (comma list): print the most layers that fit.")
-@click.option("--margin", "margin_mib", type=int, default=512, show_default=True, help="Safety margin in MiB with --free.")
+@click.option("--device", "device_specs", multiple=True, metavar="NAME=SIZE",
+              help="An accelerator of the machine to size for, e.g. CUDA0=24GiB (repeatable; 12000MiB, 24GB work too).")
+@click.option("--ram", default=None, metavar="SIZE", help="The machine's RAM, e.g. 64GiB (checked for the part left on the host).")
+@click.option("--machine", "machine_file", type=click.Path(), default=None,
+              help="Another machine's `offload-tuner probe --json` output: size for that machine.")
+@click.option("--table", is_flag=True,
+              help="One row per standard quantization of this model: full offload at 4k/16k/32k/training context, or the most layers.")
+@click.option("--devices", default=None, help="Accelerator names for --free or -ngl, e.g. CUDA0,CUDA1 (older form of --device).")
+@click.option("--free", "free_mib", default=None, help="Free MiB per device (comma list; older form of --device).")
+@click.option("--margin", "margin_mib", type=click.IntRange(min=0), default=512, show_default=True,
+              help="MiB kept free on each device when sizing for a machine.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @settings_options(defaults={"n_gpu_layers": None}, skip=("rpc_servers",))
-def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, devices: str | None, free_mib: str | None,
-                 margin_mib: int, as_json: bool, **opts: Any) -> None:
-    """Memory per device (weights, KV cache, compute) before loading anything.
+def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_specs: tuple[str, ...], ram: str | None,
+                 machine_file: str | None, table: bool, devices: str | None, free_mib: str | None, margin_mib: int,
+                 as_json: bool, **opts: Any) -> None:
+    """Memory per device (weights, KV cache, compute) before loading anything; what fits on a machine.
 
     Takes bench's settings options (the same names as llama.cpp's); -ngl -1 is every layer.
     MODEL is a file or a URL (as for inspect): a model can be sized before its download.
 
+    With a machine (--device NAME=SIZE, --machine FILE, or --free) and no --n-gpu-layers: the most
+    layers that fit per context and KV cache type, whether full offload is possible, and the
+    largest standard quantization of this model that runs fully offloaded. --table answers "which
+    file should I download?" for the machine (this one when none is given).
+
     \b
     Examples:
       offload-tuner estimate model.gguf --n-gpu-layers 20 --ctx 8192 --kv-type q8_0
-      offload-tuner estimate model.gguf --free 8000 --ctx 8192      # most layers that fit
-      offload-tuner estimate hf://OWNER/REPO/model-Q4_K_M.gguf --free 24000 --ctx 32768
+      offload-tuner estimate model.gguf --device CUDA0=24GiB --ram 64GiB --ctx 32768
+      offload-tuner estimate hf://OWNER/REPO/model-Q4_K_M.gguf --machine colleague-probe.json --table
+      offload-tuner estimate model.gguf --free 8000 --ctx 8192      # older form: most layers in 8000 MiB
     """
-    from ..model.estimate import estimate, format_estimate, max_gpu_layers
+    from ..machine import whatif
+    from ..model.estimate import estimate, format_estimate
     from ..model.inspect import inspect
+    from ..report import fit
 
+    given = [flag for flag, value in (("--device", device_specs), ("--machine", machine_file), ("--free", free_mib)) if value]
+    if len(given) > 1:
+        raise click.UsageError(f"{' and '.join(given)}: give the machine one way")
+    names = [d for d in devices.split(",") if d] if devices else None
+    if machine_file:
+        spec = whatif.from_probe_json(machine_file)
+    elif device_specs:
+        spec = whatif.from_options(device_specs, ram)
+    elif free_mib:
+        spec = whatif.from_free_list(_floats(free_mib) or (), names)
+    else:
+        spec = None
+    if spec is not None and ram and not device_specs:
+        spec = whatif.MachineSpec(spec.devices, whatif.parse_size(ram, what="--ram"), spec.source, spec.names)
     info = inspect(model)
     _say_fetched(info)
     n_gpu_layers = opts["n_gpu_layers"]
@@ -188,24 +219,57 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, devices: 
     if no_flash_attn:
         opts["flash_attn"] = "off"
     settings = settings_from_options(model, {**opts, "n_gpu_layers": n_gpu_layers if n_gpu_layers is not None else 0})
-    names = [d for d in devices.split(",") if d] if devices else None
-    best = None
-    if free_mib:
-        free_values = _floats(free_mib) or ()
-        names = names or [f"GPU{i}" for i in range(len(free_values))]
-        if len(names) != len(free_values):
-            raise click.BadParameter(f"{len(free_values)} --free values for {len(names)} devices")
-        free = {n: int(v * MiB) for n, v in zip(names, free_values)}
-        best = max_gpu_layers(info, settings, free, margin=margin_mib * MiB, devices=names)
+    margin = margin_mib * MiB
+    for name in ("type_k", "type_v"):
+        if getattr(settings, name) not in info.kv_bytes_per_token:
+            raise click.BadParameter(f"{getattr(settings, name)!r} is not a KV cache type for this model "
+                                     f"(known: {', '.join(info.kv_bytes_per_token)})", param_hint="--kv-type")
+
+    if table:
+        if spec is None:
+            from ..machine.probe import probe
+
+            spec = whatif.from_machine(probe(llama=False))
+        contexts = fit.contexts_for(info)
+        rows = fit.quantization_table(info, spec, contexts, settings, margin=margin)
+        data = {"machine": spec.to_dict(), "model": Path(info.path).name, "quantization": info.quantization,
+                "contexts": contexts, "type_k": settings.type_k, "type_v": settings.type_v, "rows": [r.to_dict() for r in rows]}
+        _emit(as_json, data, lambda: "\n".join(
+            [f"{Path(info.path).name} ({info.quantization}) on {spec.describe()} ({spec.source}); "
+             f"KV {settings.type_k}/{settings.type_v}, margin {margin_mib} MiB",
+             f"full offload (yes) or the most layers that fit, of {info.n_layer + 1}, by context:"]
+            + fit.format_table(rows, contexts, info.n_ctx_train)))
+        return
+
+    if spec is None:
         if n_gpu_layers is None:
-            n_gpu_layers = best
-    if n_gpu_layers is None:
-        raise click.UsageError("give --n-gpu-layers, or --free to find the most layers that fit")
-    est = estimate(info, settings.replace(n_gpu_layers=n_gpu_layers), devices=names)
+            raise click.UsageError("give --n-gpu-layers, or a machine (--device NAME=SIZE, --machine FILE) to find the most layers that fit")
+        est = estimate(info, settings.replace(n_gpu_layers=n_gpu_layers), devices=names)
+        _emit(as_json, est.to_dict(), lambda: format_estimate(est))
+        return
+
+    best = fit.most_layers(info, spec, settings, margin)
+    chosen = best if n_gpu_layers is None else n_gpu_layers
+    est = fit.estimate_on(info, spec, chosen, settings)
+    short = fit.over(est, spec, margin)
     data = est.to_dict()
-    if best is not None:
-        data["max_gpu_layers"] = best
-    _emit(as_json, data, lambda: (f"most layers that fit: {best}\n" if best is not None else "") + format_estimate(est))
+    data["max_gpu_layers"] = best
+    data["machine"] = spec.to_dict()
+    data["fits"] = not short
+    lines = [f"most layers that fit: {best}" + (" (all: full offload)" if best >= info.n_layer + 1 else f" of {info.n_layer + 1}")]
+    if n_gpu_layers is not None:
+        lines.append(f"n_gpu_layers {n_gpu_layers}: " + ("fits" if not short else "does not fit: " + ", ".join(
+            f"{d} short by {b / MiB:.0f} MiB" for d, b in short.items())))
+    lines.append(format_estimate(est))
+    if n_gpu_layers is None:
+        contexts = sorted(set(fit.contexts_for(info)) | {est.n_ctx})
+        grid = fit.fit_grid(info, spec, contexts, base=settings, margin=margin)
+        largest = fit.largest_quantization_that_fits(info, spec, settings, margin=margin)
+        data["fit"] = [g.to_dict() for g in grid]
+        data["full_offload"] = any(g.full for g in grid)
+        data["largest_quantization"] = largest[0] if largest else None
+        lines += fit.answer_lines(info, spec, grid, largest, settings)
+    _emit(as_json, data, lambda: "\n".join(lines))
 
 
 @cli.command("probe")
