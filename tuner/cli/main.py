@@ -525,6 +525,10 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     best = result.best
     tg, pp = best.get("tg") or {}, best.get("pp") or {}
     click.echo(f"best: {_summary(best['settings'])}")
+    if result.profile is not None:
+        from ..report.summary import profile_summary
+
+        click.echo(f"  {profile_summary(result.profile)}")
     if tg:
         click.echo(f"  tg {tg['median']:.1f} t/s (95% CI {tg['ci_low']:.1f}-{tg['ci_high']:.1f}, {len(tg['samples'])} samples)")
     if pp:

@@ -19,6 +19,7 @@ from ..profile.exports import FORMATS, export_args
 from ..paths import ENV_PROFILE_PATH, profiles_dir
 from ..profile.document import Profile, ProfileWarning, format_bytes
 from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, write_bundle
+from ..report.summary import profile_summary
 
 profile_group = click.Group(
     "profile",
@@ -162,7 +163,7 @@ def show_command(profile: str, as_json: bool) -> None:
         f"  measured  tg {m.tg.median:g} t/s (95% CI {m.tg.ci_low:g}-{m.tg.ci_high:g}), "
         f"pp {m.pp.median:g} t/s (95% CI {m.pp.ci_low:g}-{m.pp.ci_high:g}); "
         f"{m.n_prompt} prompt / {m.n_gen} generated tokens at depth {m.depth}",
-        f"  layers    {p.layers_offloaded if p.layers_offloaded is not None else '?'} of {p.layers_total} on the GPU",
+        f"  offload   {profile_summary(p)}",
         "  settings",
     ]
     out += [f"    {key} = {json.dumps(value)}" for key, value in s.to_dict().items()]
