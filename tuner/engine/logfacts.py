@@ -87,6 +87,10 @@ _RX_COMPUTE_FAIL = re.compile(r"failed to allocate compute(?: pp| tg)? buffers|g
 _RX_OVERRIDE = re.compile(r"^[Tt]ensor\s+(\S+)\s+(?:\((\d+)\s*MiB[^)]*\)\s+)?buffer type overrid+en to\s+(\S+)")
 
 _MAX_OVERRIDES = 100_000
+# Beyond any model llama.cpp loads (LLAMA_MAX_LAYERS is 512; the widest models are ~20k wide).
+_SHAPE_BOUNDS = {"n_layer": 512, "n_embd": 1 << 17, "n_head": 1 << 12, "n_head_kv": 1 << 12, "n_ff": 1 << 19,
+                 "n_vocab": 1 << 22, "n_expert": 1 << 12, "n_ff_exp": 1 << 19, "n_expert_shared": 64,
+                 "n_embd_head_k": 1 << 12}
 
 
 @dataclass
@@ -108,10 +112,14 @@ class LogFacts:
     overridden_to_cpu: tuple[str, ...] = ()
 
     def shape(self) -> dict[str, int] | None:
-        """The shape a llama-family rebuild needs, when the log states all of it."""
+        """The shape a llama-family rebuild needs, when the log states all of it within the bounds
+        of real models (a log is someone else's text: a shape of 10^12 layers is not rebuilt)."""
         keys = ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab")
         values = {k: self.meta.get(k) for k in keys}
-        if not all(isinstance(v, int) and v > 0 for v in values.values()):
+        if not all(isinstance(v, int) and 0 < v <= _SHAPE_BOUNDS[k] for k, v in values.items()):
+            return None
+        if any(isinstance(self.meta.get(k), int) and self.meta[k] > _SHAPE_BOUNDS[k]
+               for k in ("n_expert", "n_ff_exp", "n_expert_shared", "n_embd_head_k")):
             return None
         out: dict[str, int] = dict(values)  # type: ignore[arg-type]
         for k in ("n_expert", "n_expert_used", "n_embd_head_k", "n_ctx_train", "n_ff_exp", "n_expert_shared"):
