@@ -20,7 +20,7 @@ from tuner.engine.rpc import start_servers
 from tuner.engine.settings import Settings
 from tuner.machine.whatif import MachineSpec
 from tuner.model.inspect import inspect
-from tuner.report.fit import Layout, most_layers
+from tuner.report.fit import most_layers
 from tuner.testing import ModelShape, make_model
 
 MiB = 1 << 20
@@ -44,7 +44,8 @@ def main() -> None:
             (server,) = start_servers(1, memory_limits=[cap * MiB], threads=1)
             start = time.monotonic()
             try:
-                predicted = most_layers(info, MachineSpec({"RPC0": cap * MiB}), Layout(n_ctx=ctx), margin=0)
+                planned = Settings(model_path=str(model), n_ctx=ctx, flash_attn="on")
+                predicted = most_layers(info, MachineSpec({"RPC0": cap * MiB}), planned, margin=0)
                 real = -1
                 for ngl in range(0, info.n_layer + 2):
                     s = Settings(model_path=str(model), n_gpu_layers=ngl, n_ctx=ctx, n_threads=2, flash_attn="on",

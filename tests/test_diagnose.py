@@ -197,8 +197,9 @@ def test_levers_match_the_arithmetic_and_those_that_claim_full_offload_reach_it(
 
     # the numbers are the memory arithmetic's: full offload at the log's settings, less the change
     def full(info_, **kw):
-        args = dict(n_gpu_layers=-1, devices=[device], n_ctx=4096, type_k="f16", type_v="f16", flash_attn=True, n_ubatch=512)
-        return estimate(info_, **{**args, **kw}).devices[device].total
+        planned = Settings(model_path=info_.path, n_gpu_layers=-1, n_ctx=4096, type_k="f16", type_v="f16", flash_attn="on",
+                           n_ubatch=512)
+        return estimate(info_, planned.replace(**kw), devices=[device]).devices[device].total
 
     base = full(info)
     assert by["q8_0 KV cache"].frees_bytes == base - full(info, type_k="q8_0", type_v="q8_0")

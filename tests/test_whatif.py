@@ -62,11 +62,12 @@ def test_the_answer_is_per_context_and_kv_type_with_full_offload_and_quantizatio
     cells = {(f["n_ctx"], f["type_k"]): f for f in data["fit"]}
     assert set(cells) == {(c, k) for c in (2048, 4096) for k in ("f16", "q8_0", "q4_0")}
     for (ctx, kv), cell in cells.items():
+        from tuner.engine.settings import Settings
         from tuner.machine.whatif import MachineSpec
-        from tuner.report.fit import Layout, estimate_on, over
+        from tuner.report.fit import estimate_on, over
 
         spec = MachineSpec({"CUDA0": 14 * MiB})
-        layout = Layout(n_ctx=ctx, type_k=kv, type_v=kv)
+        layout = Settings(model_path=info.path, n_ctx=ctx, type_k=kv, type_v=kv)
         # the most that fit, fits; one more does not
         assert not over(estimate_on(info, spec, cell["layers"], layout), spec, 0)
         if cell["layers"] < info.n_layer + 1:

@@ -573,11 +573,13 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
 
 def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
+    from .diagnose import register as register_diagnose
     from .profile import profile_group
     from .quality import quality_cmd
 
     cli.add_command(profile_group)
     cli.add_command(quality_cmd)
+    register_diagnose(cli)
 
 
 _mount_subcommands()

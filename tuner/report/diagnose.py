@@ -40,7 +40,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..engine.logfacts import LogFacts, log_facts
 from ..engine.logparse import LoadReport, _is_host_label, _normalise_device, parse_log
-from ..errors import LogUnreadableError, TunerError
+from ..engine.dimensions import UNQUANTIZED_KV
+from ..engine.settings import Settings
+from ..errors import LogUnreadableError, SettingsError, TunerError
 from ..machine.whatif import MachineSpec, device_matches
 from ..model.estimate import CPU, estimate, pad
 from ..model.inspect import KV_TYPE_BLOCKS, ModelInfo
@@ -232,12 +234,11 @@ _FFN = r"ffn_(up|down|gate)(_shexp)?\."
 
 
 class _ModelSizer:
-    """Full-offload bytes per accelerator from a ModelInfo (the file's, or a rebuilt one)."""
+    """Full-offload bytes per accelerator from a ModelInfo (the file's, or a rebuilt one), through
+    the memory arithmetic with the log's settings (``base``, a ``Settings``)."""
 
-    def __init__(self, info: ModelInfo, kind: str, devices: list[str], split: list[float] | None, base: _Change,
-                 flash_attn: bool, n_ubatch: int, overrides: tuple[str, ...]) -> None:
-        self.info, self.kind, self.devices, self.split = info, kind, devices, split
-        self.base, self.flash_attn, self.n_ubatch, self.overrides = base, flash_attn, n_ubatch, overrides
+    def __init__(self, info: ModelInfo, kind: str, devices: list[str], base: Settings) -> None:
+        self.info, self.kind, self.devices, self.base = info, kind, devices, base
         self.offset: dict[str, int] = {}
         self._variants: dict[str, ModelInfo] = {}
 
@@ -260,16 +261,20 @@ class _ModelSizer:
             if change.quantization not in self._variants:
                 self._variants[change.quantization] = requantized(self.info, change.quantization)
             info = self._variants[change.quantization]
-        overrides = list(self.overrides)
+        overrides = list(self.base.tensor_overrides)
         if change.cpu_expert_layers:
             overrides.append(_layers_regex(change.cpu_expert_layers, _EXPERTS))
         if change.cpu_ffn_layers:
             overrides.append(_layers_regex(change.cpu_ffn_layers, _FFN))
-        type_k = change.type_k or self.base.type_k or "f16"
-        return estimate(info, n_gpu_layers=n_gpu_layers, devices=self.devices, tensor_split=self.split,
-                        n_ctx=change.n_ctx or self.base.n_ctx or 4096, type_k=type_k,
-                        type_v=change.type_v or self.base.type_v or type_k, flash_attn=self.flash_attn,
-                        n_ubatch=self.n_ubatch, offload_kqv=change.offload_kqv, tensor_overrides=overrides)
+        changes: dict[str, Any] = {"n_gpu_layers": n_gpu_layers, "offload_kqv": change.offload_kqv,
+                                   "tensor_overrides": tuple(overrides)}
+        if change.n_ctx:
+            changes["n_ctx"] = change.n_ctx
+        if change.type_k:
+            changes.update(type_k=change.type_k, type_v=change.type_v or change.type_k)
+            if change.type_k not in UNQUANTIZED_KV and self.base.flash_attn == "off":
+                changes["flash_attn"] = "on"  # a quantized V cache needs flash attention
+        return estimate(info, self.base.replace(**changes), devices=self.devices)
 
     def need(self, change: _Change) -> dict[str, int]:
         est = self.estimate(change)
@@ -466,23 +471,19 @@ def _sizer(report: LoadReport, facts: LogFacts, memory: Mapping[str, DeviceUse],
            capacity: Mapping[str, int], model: ModelInfo | None, notes: list[str]):
     n_ctx = report.n_ctx or 4096
     type_k = report.type_k or "f16"
-    base = _Change(n_ctx=n_ctx, type_k=type_k, type_v=report.type_v or type_k)
-    flash_attn = facts.flash_attn if facts.flash_attn is not None else True
-    n_ubatch = facts.n_ubatch or 512
-    split = ([float(capacity[d]) for d in accelerators] if len(accelerators) > 1 and all(d in capacity for d in accelerators)
-             else None)
-    overrides = ()
+    overrides: tuple[str, ...] = ()
     if facts.overridden_to_cpu:
         overrides = ("^(" + "|".join(re.escape(n) for n in facts.overridden_to_cpu) + ")$",)
+    split = (tuple(float(capacity[d]) for d in accelerators) if len(accelerators) > 1 and all(d in capacity for d in accelerators)
+             else None)
+    base = _log_settings(model.path if model else "log", report, facts, overrides, split)
     info, kind = model, "model"
     if info is None:
         shape = facts.shape()
         if shape is not None:
             info, kind = _rebuilt(shape, facts, report, notes), "log shape"
-            if info is None:
-                kind = "model"
     if info is not None:
-        sizer = _ModelSizer(info, kind, accelerators, split, base, flash_attn, n_ubatch, overrides)
+        sizer = _ModelSizer(info, kind, accelerators, base.replace(model_path=info.path))
         if (report.layers_offloaded is not None and not report.oom and report.model_buffers
                 and (len(accelerators) == 1 or split is not None)):
             sizer.calibrate(memory, report.layers_offloaded)
@@ -514,6 +515,23 @@ def _sizer(report: LoadReport, facts: LogFacts, memory: Mapping[str, DeviceUse],
     return _LogSizer(devices=accelerators, shares=shares, n_layer=n_layer, movable_weights=movable,
                      device_weights=device_weights, kv_total=kv_total, kv_type=type_k, n_ctx=n_ctx, compute=compute,
                      quantization=facts.quantization)
+
+
+def _log_settings(path: str, report: LoadReport, facts: LogFacts, overrides: tuple[str, ...],
+                  split: tuple[float, ...] | None) -> Settings:
+    """The settings the log ran with, as far as it says (llama.cpp's defaults for the rest)."""
+    type_k = report.type_k if report.type_k in KV_TYPE_BLOCKS else "f16"
+    type_v = report.type_v if report.type_v in KV_TYPE_BLOCKS else type_k
+    flash = {True: "on", False: "off", None: "auto"}[facts.flash_attn]
+    if type_v not in UNQUANTIZED_KV and flash == "off":
+        flash = "auto"
+    n_ubatch = facts.n_ubatch if facts.n_ubatch and 0 < facts.n_ubatch <= 1 << 16 else 512
+    n_ctx = report.n_ctx if report.n_ctx and 0 < report.n_ctx <= 1 << 24 else 4096
+    try:
+        return Settings(model_path=path, n_gpu_layers=-1, n_ctx=n_ctx, n_batch=max(2048, n_ubatch), n_ubatch=n_ubatch,
+                        flash_attn=flash, type_k=type_k, type_v=type_v, tensor_overrides=overrides, tensor_split=split)
+    except SettingsError:
+        return Settings(model_path=path, n_gpu_layers=-1, n_ctx=n_ctx, tensor_overrides=overrides, tensor_split=split)
 
 
 def _rebuilt(shape: dict[str, int], facts: LogFacts, report: LoadReport, notes: list[str]) -> ModelInfo | None:
