@@ -26,7 +26,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..engine.base import BenchSpec, TrialResult
 from ..engine.outcome import Outcome
@@ -109,7 +109,7 @@ class Tuner:
         final_candidates: int = 3,
         final_rounds: int = 3,
         vram_margin: int = 512 * MiB,
-        storage: str | None = None,
+        storage: Any = None,
         study_name: str | None = None,
         out: str | Path | None = None,
         rpc_servers: Sequence[str] = (),
@@ -119,6 +119,7 @@ class Tuner:
         seed: int = 0,
         on_event: Callable[[Event], None] | None = None,
         space_overrides: dict[str, tuple] | None = None,
+        infos: Mapping[str, ModelInfo] | None = None,
     ) -> None:
         if objective not in OBJECTIVES:
             raise SettingsError("objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -142,7 +143,7 @@ class Tuner:
         self.emit = on_event or (lambda event: None)
         self.trial_timeout = trial_timeout
 
-        vetted = vet_variants(model, variants)
+        vetted = vet_variants(model, variants, known=infos)
         self.main, self.models, self.rejected = vetted.main, vetted.models, vetted.rejected
         for path, why in self.rejected.items():
             self.emit({"kind": "rejected", "path": path, "reason": why})
@@ -163,7 +164,9 @@ class Tuner:
                 raise SettingsError("space_overrides", f"unknown dimension(s): {', '.join(sorted(unknown))}")
             self.space = dataclasses.replace(self.space, **{k: tuple(v) for k, v in space_overrides.items()})
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, vram_margin)
-        self.storage = storage or f"sqlite:///{studies_dir() / 'studies.db'}"
+        # a SQLAlchemy URL; or an Optuna storage object (simulations keep their studies in memory)
+        self._storage = storage or f"sqlite:///{studies_dir() / 'studies.db'}"
+        self.storage = self._storage if isinstance(self._storage, str) else f"{type(self._storage).__name__} (not saved)"
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
         self.engine = engine
 
@@ -174,7 +177,7 @@ class Tuner:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=4, multivariate=True)
-        study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction="maximize",
+        study = optuna.create_study(storage=self._storage, study_name=self.study_name, direction="maximize",
                                     load_if_exists=True, sampler=sampler)
         done, launched_before = self._resume(study)
         resumed = bool(done)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ..errors import ModelError
 from ..model.inspect import ModelInfo, inspect
@@ -38,17 +38,26 @@ class Variants:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
-def vet_variants(model: str | Path, variants: Sequence[str | Path] = ()) -> Variants:
+def vet_variants(model: str | Path, variants: Sequence[str | Path] = (),
+                 known: Mapping[str, ModelInfo] | None = None) -> Variants:
     """Inspect ``model`` (its errors are the caller's: a bad model is a bad command) and each variant
-    (a bad or different variant is rejected with the reason)."""
-    main = inspect(model)
+    (a bad or different variant is rejected with the reason).
+
+    ``known`` maps paths to models already described (a simulation's models have no file): those
+    are taken as they are, the rest inspected."""
+    known = known or {}
+
+    def read(path: str | Path) -> ModelInfo:
+        return known[str(path)] if str(path) in known else inspect(path)
+
+    main = read(model)
     models: dict[str, ModelInfo] = {main.path: main}
     rejected: dict[str, str] = {}
     for path in expand_variants(variants):
         if str(path) == main.path or path.resolve() == Path(main.path).resolve():
             continue
         try:
-            info = inspect(path)
+            info = read(path)
         except ModelError as exc:
             rejected[str(path)] = exc.problem
             continue
