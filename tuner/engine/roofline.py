@@ -205,6 +205,7 @@ class _Compiled:
     elements: np.ndarray
     routed: np.ndarray
     masks: dict[tuple[str, ...], np.ndarray] = field(default_factory=dict)
+    kv: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def of(cls, info: ModelInfo) -> "_Compiled":
@@ -231,6 +232,14 @@ class _Compiled:
             compiled = [re.compile(p) for p in patterns]
             self.masks[patterns] = np.array([any(p.search(n) for p in compiled) for n in self.names], dtype=bool)
         return self.masks[patterns]
+
+    def kv_per_token(self, type_k: str, type_v: str) -> np.ndarray:
+        """KV bytes one token costs in each layer 0..n_layer (the output head holds none)."""
+        if (type_k, type_v) not in self.kv:
+            info = self.info
+            self.kv[(type_k, type_v)] = np.array(
+                [info.kv_bytes_per_token_layer(il, type_k, type_v) for il in range(info.n_layer)] + [0], dtype=np.float64)
+        return self.kv[(type_k, type_v)]
 
     def per_layer(self, values: np.ndarray, select: np.ndarray) -> np.ndarray:
         """Sum of ``values`` over the selected tensors, per layer 0..n_layer (the output head last)."""
@@ -423,8 +432,7 @@ class RooflineEngine:
         bytes_read = c.n_bytes * np.where(c.routed, touched, 1.0)
         flops = 2.0 * n * c.elements * np.where(c.routed, used, 1.0)
         moved = c.mask(s.tensor_overrides)
-        kv_per_token = np.array([info.kv_bytes_per_token_layer(il, s.type_k, s.type_v) for il in range(info.n_layer)] + [0],
-                                dtype=np.float64)
+        kv_per_token = c.kv_per_token(s.type_k, s.type_v)
         quantized = s.type_k not in _FLOAT_KV or s.type_v not in _FLOAT_KV
         kv_bytes = context * kv_per_token * (QUANTIZED_KV_COST if quantized else 1.0)
         has_kv = kv_per_token > 0

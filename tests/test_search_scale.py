@@ -1,0 +1,123 @@
+"""Search at GPU scale, on simulated machines (tuner.machine.simulated, the roofline engine).
+
+Pure Python, no llama.cpp: the benchmark's yardstick (the exhaustive optimum) is checked against the
+scalar engine and the memory arithmetic; the tuner's seeds fit; its proposals on big spaces are
+valid and rarely out of memory; a study resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from tuner.engine.base import BenchSpec
+from tuner.engine.roofline import DEVICES, RooflineEngine
+from tuner.engine.settings import Settings
+from tuner.errors import SettingsError
+from tuner.machine.simulated import SIMULATED
+from tuner.model.synthetic import llama_like
+from tuner.search import exhaustive
+from tuner.search.candidates import accelerator_devices
+from tuner.search.space import build_space, placement_patterns
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def space_of(sim, **overrides):
+    m = sim.machine()
+    space = build_space(list(sim.models.values()), devices=accelerator_devices(m), physical_cores=m.physical_cores,
+                        logical_cores=m.logical_cores, min_ctx=sim.min_ctx, n_prompt=512)
+    return dataclasses.replace(space, **overrides) if overrides else space
+
+
+def bench_of(sim):
+    return BenchSpec(n_prompt=512, n_gen=128, depth=sim.depth, repetitions=3)
+
+
+# -- the yardstick -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SIMULATED))
+def test_vectorized_memory_and_speed_match_the_engine(name):
+    """Sampled candidates: the block evaluation's fit and speed equal estimate()'s and the engine's."""
+    sim = SIMULATED[name]
+    space, bench = space_of(sim), bench_of(sim)
+    engine = sim.engine(noise=0.0)
+    rng = random.Random(name)
+    context = bench.depth + bench.n_gen / 2
+    checked = fits_seen = 0
+    for variant in space.variants:
+        info = engine.models[variant]
+        block = exhaustive._Block(space, engine, info)
+        L = info.n_layer
+        for _ in range(12):
+            strategy = rng.choice(space.placements)
+            ks = exhaustive._ks(strategy, L)
+            kqv, fa = rng.choice(space.offload_kqv), rng.choice(space.flash_attn)
+            kv = rng.choice(space.kv_types) if fa == "on" else "f16"
+            n_ctx, ub, t = rng.choice(space.n_ctx), rng.choice(space.n_ubatch), rng.choice(space.threads)
+            weights = block.weights(strategy, ks)
+            fit = block.fits(weights, kqv, kv, fa == "on", n_ctx, ub)
+            s0 = Settings(model_path=variant, flash_attn=fa, type_k=kv, type_v=kv, offload_kqv=kqv, n_threads=t)
+            times = {d: exhaustive._prefix(x) for d, x in engine.layer_times(s0, engine.work(s0, 1, context)).items()}
+            over = None
+            if strategy != "none":
+                so = dataclasses.replace(s0, tensor_overrides=placement_patterns(strategy, L))
+                over = {d: exhaustive._prefix(x) for d, x in engine.layer_times(so, engine.work(so, 1, context)).items()}
+            tg = block.tg(times, over, ks)
+            # near the memory boundary, where a mistake would show, and anywhere
+            cells = list(zip(*np.nonzero(block.valid)))
+            for r, c in rng.sample(cells, 6):
+                j = rng.randrange(len(ks))
+                split = space.split_from_counts(int(c), [int(x) for x in block.counts[r]]) if len(space.devices) > 1 else None
+                s = space.settings(variant=variant, n_gpu_layers=int(c), tensor_split=split, n_ctx=n_ctx, kv=kv, flash_attn=fa,
+                                   threads=t, n_ubatch=ub, n_batch=max(space.n_batch[0], ub), placement=strategy,
+                                   placement_layers=int(ks[j]), offload_kqv=kqv)
+                assert bool(fit[j, r, c]) == (engine.out_of_memory(engine.memory(s)) is None), s
+                assert tg[j, r, c] == pytest.approx(engine.speed(s, bench)[1], rel=1e-9), s
+                checked += 1
+                fits_seen += bool(fit[j, r, c])
+    assert checked >= 100 and 0 < fits_seen < checked  # both sides of the boundary were checked
+
+
+def test_optimum_equals_brute_force_on_a_small_space():
+    """Every candidate of a small two-GPU space through the scalar engine: the same best."""
+    info = dataclasses.replace(llama_like(n_layer=3, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_vocab=2048,
+                                          n_ctx_train=16384, name="tiny"), path="tiny.gguf")
+    engine = RooflineEngine({info.path: info}, host=DEVICES["ryzen9-7950x"], ram=64 * GiB,
+                            accelerators=[("CUDA0", DEVICES["rtx3090"]), ("CUDA1", DEVICES["rtx4060ti16"])],
+                            free={"CUDA0": 360 * MiB + 12 * MiB, "CUDA1": 360 * MiB + 8 * MiB}, noise=0.0)
+    from tuner.search.space import Device
+
+    space = build_space([info], devices=[Device("CUDA0", 1, 1), Device("CUDA1", 1, 1)], physical_cores=16, logical_cores=32,
+                        min_ctx=4096, n_prompt=512)
+    space = dataclasses.replace(space, threads=(8, 32), n_ubatch=(128, 512))
+    bench = BenchSpec(n_prompt=64, n_gen=16, depth=1024)
+    best = exhaustive.optimum(space, engine, bench)
+    brute, count, fit = -1.0, 0, 0
+    L = info.n_layer
+    for ngl in range(L + 2):
+        for c0 in range(ngl + 1):
+            split = space.split_from_counts(ngl, [c0])
+            for n_ctx, kv, fa, t, ub, strategy, kqv in itertools.product(space.n_ctx, space.kv_types, space.flash_attn,
+                                                                         space.threads, space.n_ubatch, space.placements,
+                                                                         space.offload_kqv):
+                for k in exhaustive._ks(strategy, L):
+                    try:
+                        s = space.settings(variant=info.path, n_gpu_layers=ngl, tensor_split=split, n_ctx=n_ctx, kv=kv,
+                                           flash_attn=fa, threads=t, n_ubatch=ub, n_batch=512, placement=strategy,
+                                           placement_layers=int(k), offload_kqv=kqv)
+                    except SettingsError:
+                        continue
+                    count += 1
+                    if engine.out_of_memory(engine.memory(s)) is None:
+                        fit += 1
+                        brute = max(brute, engine.speed(s, bench)[1])
+    assert best.grid_size == count and best.feasible == fit and 0 < fit < count
+    assert best.value == pytest.approx(brute, rel=1e-9)
+    assert engine.speed(best.settings, bench)[1] == pytest.approx(brute, rel=1e-9)
