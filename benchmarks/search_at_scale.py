@@ -67,6 +67,7 @@ class Trace:
     oom: list[bool] = field(default_factory=list)
     final_true: float | None = None  # the tuner's profile winner (after its re-measure)
     remeasure_loads: int = 0
+    proposals: dict[str, int] = field(default_factory=dict)  # the tuner's asks: launched, pruned, invalid, duplicate
 
     def add(self, measured: float | None, true: float, oom: bool) -> None:
         self.measured.append(measured)
@@ -102,6 +103,8 @@ def run_tuner(sim: Any, seed: int, trials: int, *, final: bool) -> Trace:
     pending: dict[int, Any] = {}
 
     def on_event(e: dict[str, Any]) -> None:
+        if e["kind"] in ("launch", "pruned", "invalid"):
+            trace.proposals[e["kind"]] = trace.proposals.get(e["kind"], 0) + 1
         if e["kind"] == "launch":
             pending[e["number"]] = Settings.from_dict(e["settings"])
         elif e["kind"] == "result" and e["number"] in pending:
@@ -231,6 +234,7 @@ def summarize(traces: list[Trace], final: list[Trace] | None, optimum: float) ->
         "oom_launches": sum(sum(t.oom[:BUDGET]) for t in (final or traces)),
         "_ratios_at_20": [round(r, 3) for r in at_20],
         "_remeasure_loads": [t.remeasure_loads for t in final] if final else None,
+        "_proposals": {k: sum(t.proposals.get(k, 0) for t in traces) for k in ("launch", "pruned", "invalid")},
     }
 
 
@@ -282,7 +286,9 @@ def main() -> int:
                 summary = summarize(traces, final, best.value)
                 row[strategy] = {k: v for k, v in summary.items() if not k.startswith("_")}
                 reach = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
-                extra = f", re-measure loads {summary['_remeasure_loads']}" if final else ""
+                p = summary["_proposals"]
+                extra = (f", re-measure loads {summary['_remeasure_loads']}; proposals over {args.horizon} launches: "
+                         f"{p['pruned']} predicted not to fit, {p['invalid']} invalid" if final else "")
                 say(f"   {strategy:<11} trials to 0.98: median {reach(summary['trials_to_098_median']):>3}, worst "
                     f"{reach(summary['trials_to_098_worst']):>3} | ratio at 20: {summary['ratio_at_20_median']:.3f} "
                     f"{summary['_ratios_at_20']} | OOM launches {summary['oom_launches']}{extra} "

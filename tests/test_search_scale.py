@@ -21,7 +21,7 @@ from tuner.errors import SettingsError
 from tuner.machine.simulated import SIMULATED
 from tuner.model.synthetic import llama_like
 from tuner.search import exhaustive
-from tuner.search.candidates import accelerator_devices
+from tuner.search.candidates import Candidates, accelerator_devices
 from tuner.search.space import build_space, placement_patterns
 
 GiB = 1 << 30
@@ -121,3 +121,63 @@ def test_optimum_equals_brute_force_on_a_small_space():
     assert best.grid_size == count and best.feasible == fit and 0 < fit < count
     assert best.value == pytest.approx(brute, rel=1e-9)
     assert engine.speed(best.settings, bench)[1] == pytest.approx(brute, rel=1e-9)
+
+
+# -- the tuner on GPU-sized spaces ---------------------------------------------------------------
+
+
+def candidates_of(sim):
+    m = sim.machine()
+    return Candidates(sim.models, accelerator_devices(m), m.ram_available, 512 * MiB)
+
+
+@pytest.mark.parametrize("name", list(SIMULATED))
+def test_seeds_fit_and_are_what_the_study_enqueues(name):
+    import optuna
+
+    sim = SIMULATED[name]
+    space, bench = space_of(sim), bench_of(sim)
+    candidates = candidates_of(sim)
+    seeds = candidates.seeds(space, sim.machine().physical_cores, depth=bench.depth)
+    *planned, defaults = seeds
+    # every seed but llama.cpp's defaults is predicted to fit (the defaults are not launched unless they do)
+    assert all(candidates.fits(s) for s in planned)
+    assert defaults.n_gpu_layers == space.n_layer + 1 and defaults.type_k == "f16"
+    # one or more per variant, offloading everything or as many layers as fit, and the CPU alone
+    assert {s.model_path for s in planned} == set(space.variants)
+    assert any(s.n_gpu_layers == 0 for s in planned)
+    for s in planned:
+        if s.n_gpu_layers:
+            more = dataclasses.replace(s, n_gpu_layers=s.n_gpu_layers + 1,
+                                       tensor_split=None if s.tensor_split is None else (*s.tensor_split[:-1], s.tensor_split[-1] + 1))
+            assert s.n_gpu_layers == space.n_layer + 1 or not candidates.fits(more), s
+    # the parameters the study enqueues give back the same candidate
+    for s in seeds:
+        assert space.suggest(optuna.trial.FixedTrial(space.params_for(s))) == s
+    # and on the (simulated) machine they load
+    engine = sim.engine(noise=0.0)
+    assert all(engine.run(s, bench).ok for s in planned)
+
+
+def test_tune_on_a_simulated_gpu_machine(tuner_home):
+    """The real tune loop on a 24 GB GPU with a 70B model: nothing predicted not to fit is launched,
+    nothing launched runs out of memory, and the winner is the best measured, re-measured."""
+    import optuna
+
+    from tuner.search.study import Tuner
+
+    sim = SIMULATED["24gb-70b"]
+    engine = sim.engine(seed=3)
+    events = []
+    tuner = Tuner(sim.main, variants=sim.variants, infos=sim.models, machine=sim.machine(), engine=engine, trials=10,
+                  min_ctx=sim.min_ctx, depth=sim.depth, seed=3, on_event=events.append,
+                  storage=optuna.storages.InMemoryStorage())
+    result = tuner.run()
+    launched = [Settings.from_dict(e["settings"]) for e in events if e["kind"] == "launch"]
+    assert len(launched) == 10 and result.counts == {"run": 10, "pruned": result.counts["pruned"], "oom": 0, "failed": 0}
+    for s in launched:
+        assert tuner.candidates.fits(s) and engine.out_of_memory(engine.memory(s)) is None
+    # the seeds go first: the most offloaded candidates of each variant
+    assert {s.model_path for s in launched[:3]} == set(sim.models)
+    assert result.best["remeasured"] and result.profile.settings.n_gpu_layers > 0
+    assert Settings.from_dict(result.best["settings"]) in launched

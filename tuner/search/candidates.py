@@ -7,17 +7,26 @@ device, candidates that need as much or more there are not launched either.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Mapping, Sequence
 
 from ..engine.base import TrialResult
 from ..engine.settings import Settings
 from ..machine.probe import Machine
-from ..model.estimate import CPU, MemoryEstimate, estimate, max_gpu_layers
-from ..model.inspect import ModelInfo
-from .space import Device, SearchSpace, rpc_devices_from
+from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
+from ..model.inspect import KV_TYPE_BLOCKS, ModelInfo
+from .space import PLACEMENTS, Device, SearchSpace, placement_patterns, rpc_devices_from
 
 MiB = 1 << 20
+
+# Seeds are ranked by the bytes a generated token reads, those in host memory weighted by this:
+# host memory is about ten times slower than a discrete GPU's (dual-channel DDR5 ~80 GB/s, a GDDR6X
+# card ~900 GB/s). With unified memory both are the same memory. Only the order of the first trials
+# depends on it: every seed is measured.
+HOST_SLOWDOWN = 10.0
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+_ROUTED_RE = re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")
 
 # llama.cpp names the device whose allocation failed in these lines (src/llama-model.cpp
 # "alloc_tensor_range: failed to allocate %s buffer of size %zu", ggml-cuda "allocating %.2f MiB
@@ -121,28 +130,149 @@ class Candidates:
                 return False
         return True
 
-    def seeds(self, space: SearchSpace, physical_cores: int) -> list[Settings]:
-        """Sensible first trials: the most layers that fit, all on the CPU, llama.cpp's defaults."""
+    def fits(self, s: Settings) -> bool:
+        return self.check(s, self.estimate(s)) is None
+
+    def most_layers(self, s: Settings) -> Settings:
+        """``s`` with as many layers offloaded as fit: the devices filled one at a time, the one with
+        the most free memory first (``s``'s own n_gpu_layers and split are ignored)."""
+        info = self.models[s.model_path]
+        names = [d.name for d in self.devices]
+        if not names:
+            return dataclasses.replace(s, n_gpu_layers=0, tensor_split=None)
+        counts = [0] * len(names)
+
+        def with_counts(c: list[int]) -> Settings:
+            total = sum(c)
+            split = tuple(float(x) for x in c) if len(names) > 1 and total else None
+            return dataclasses.replace(s, n_gpu_layers=total, tensor_split=split)
+
+        for i in sorted(range(len(names)), key=lambda i: -self.devices[i].free):
+            low, high = 0, info.n_layer + 1 - sum(counts)
+            while low < high:  # memory grows with the layers a device holds
+                mid = (low + high + 1) // 2
+                if self.fits(with_counts(counts[:i] + [mid] + counts[i + 1:])):
+                    low = mid
+                else:
+                    high = mid - 1
+            counts[i] = low
+        return with_counts(counts)
+
+    def fewest_on_host(self, s: Settings, strategy: str) -> Settings | None:
+        """``s`` with every layer offloaded and the tensors of a placement strategy kept on the host
+        for the fewest first layers that make it fit; None when even all of them do not."""
+        info = self.models[s.model_path]
+        everything = info.n_layer + 1
+
+        def offloaded(k: int) -> Settings:
+            return self.most_layers(dataclasses.replace(s, tensor_overrides=placement_patterns(strategy, k)))
+
+        if offloaded(info.n_layer).n_gpu_layers < everything:
+            return None
+        low, high = 1, info.n_layer
+        while low < high:  # the more layers' tensors on the host, the less each device needs
+            mid = (low + high) // 2
+            if offloaded(mid).n_gpu_layers >= everything:
+                high = mid
+            else:
+                low = mid + 1
+        return offloaded(low)
+
+    def traffic(self, s: Settings, depth: int = 0) -> tuple[float, float]:
+        """Bytes a generated token reads: (from host memory, from the accelerators). Every weight
+        where the memory arithmetic places it (a token uses only its experts' share of an MoE's
+        expert tensors; the embeddings table gives one row), and the KV cache at ``depth``."""
+        info = self.models[s.model_path]
+        placement = layer_devices(info.n_layer, s.n_gpu_layers, [d.name for d in self.devices], s.tensor_split)
+        patterns = [re.compile(p) for p in s.tensor_overrides]
+        used = info.expert_used_count / info.expert_count if info.is_moe else 1.0
+        host = accel = 0.0
+        for t in info.tensors:
+            m = _BLOCK_RE.match(t.name)
+            if m and int(m.group(1)) < info.n_layer:
+                device = placement[int(m.group(1))]
+            elif t.name.startswith(("output.", "output_norm.")):
+                device = placement[info.n_layer]
+            else:
+                continue  # token embeddings: one row per token
+            if device != CPU and any(p.search(t.name) for p in patterns):
+                device = CPU
+            read = t.n_bytes * (used if _ROUTED_RE.search(t.name) else 1.0)
+            if device == CPU:
+                host += read
+            else:
+                accel += read
+        for il in range(info.n_layer):
+            kv = depth * info.kv_bytes_per_token_layer(il, s.type_k, s.type_v)
+            if placement[il] == CPU or not s.offload_kqv:
+                host += kv
+            else:
+                accel += kv
+        return host, accel
+
+    def seeds(self, space: SearchSpace, physical_cores: int, *, objective: str = "tg", depth: int = 0,
+              unified_memory: bool = False, limit: int = 6) -> list[Settings]:
+        """The first trials: for each variant, the most that can be offloaded with the least memory
+        per layer (the smallest context, micro-batch and KV cache): as many whole layers as fit, the
+        KV cache on the host, and each placement strategy on the fewest layers that let everything
+        else on the accelerators. Ranked by the traffic a generated token causes (host memory is the
+        slow one), the best of each variant first, up to ``limit``; then the model on the CPU alone
+        and llama.cpp's defaults (not launched unless they fit).
+
+        Without an accelerator: each variant with the threads nearest the physical cores."""
         sp = space
         threads = max(sp.threads[0], min(sp.threads, key=lambda t: abs(t - physical_cores)))
-        common = dict(n_ctx=sp.n_ctx[0], n_batch=sp.n_batch[-1], n_ubatch=512 if 512 in sp.n_ubatch else sp.n_ubatch[-1], threads=threads)
-        out = []
-        for variant in sp.variants:
-            if sp.has_gpu:
-                info = self.models[variant]
-                free = {d.name: d.free for d in self.devices}
-                probe = sp.settings(variant=variant, kv="f16", flash_attn="on", **common)
-                best_ngl = max_gpu_layers(info, probe, free, margin=self.margin, devices=[d.name for d in self.devices])
-                out.append(sp.settings(variant=variant, n_gpu_layers=best_ngl, kv="f16", flash_attn="on", **common))
-                out.append(sp.settings(variant=variant, n_gpu_layers=0, kv="f16", flash_attn="on", **common))
-            else:
-                out.append(sp.settings(variant=variant, kv="f16", flash_attn="on", **common))
+        # a prompt is faster in bigger micro-batches; generation does not care and the smallest saves memory
+        ubatch = sp.n_ubatch[0] if objective == "tg" else (512 if 512 in sp.n_ubatch else sp.n_ubatch[-1])
+        common = dict(n_ctx=sp.n_ctx[0], n_batch=max(sp.n_batch[-1], ubatch), n_ubatch=ubatch, threads=threads)
+        fa = "on" if "on" in sp.flash_attn else sp.flash_attn[0]
+        kv = min((t for t in sp.kv_types if fa == "on" or t in ("f16", "f32", "bf16")),
+                 key=lambda t: KV_TYPE_BLOCKS[t][1] / KV_TYPE_BLOCKS[t][0])
+        out: list[Settings] = []
+        if sp.has_gpu:
+            slowdown = 1.0 if unified_memory else HOST_SLOWDOWN
+            ranked: list[tuple[float, int, Settings]] = []
+            for rank_in_file, variant in enumerate(sp.variants):
+                options: list[Settings] = []
+                for kqv in sp.offload_kqv:
+                    base = sp.settings(variant=variant, kv=kv, flash_attn=fa, offload_kqv=kqv, **common)
+                    options.append(self.most_layers(base))
+                    for strategy in sp.placements:
+                        if strategy != "none" and PLACEMENTS.get(strategy):
+                            option = self.fewest_on_host(base, strategy)
+                            if option is not None:
+                                options.append(option)
+                for s in options:
+                    if s.n_gpu_layers and self.fits(s):
+                        host, accel = self.traffic(s, depth)
+                        ranked.append((host * slowdown + accel, rank_in_file, s))
+            ranked.sort(key=lambda r: (r[0], r[1]))
+            best_per_variant: dict[str, Settings] = {}
+            for _, _, s in ranked:
+                best_per_variant.setdefault(s.model_path, s)
+            chosen = list(best_per_variant.values())
+            for _, _, s in ranked:
+                if len(chosen) >= limit:
+                    break
+                if s not in chosen:
+                    chosen.append(s)
+            out.extend(chosen[:max(limit, len(best_per_variant))])
+            # the model on the CPU alone (an accelerator can be slower than the host: an RPC server)
+            out.append(sp.settings(variant=sp.variants[0], kv="f16", flash_attn=fa, **common))
+        else:
+            for variant in sp.variants:
+                out.append(sp.settings(variant=variant, kv="f16", flash_attn=fa, **common))
         # llama.cpp's defaults: everything offloaded, f16 cache, batch 2048/512 (flash attention
         # "auto" resolves to on where supported, the nearest choice here)
-        out.append(sp.settings(variant=sp.variants[0], n_gpu_layers=sp.n_layer + 1 if sp.has_gpu else 0,
-                               kv="f16", flash_attn="on", **common))
+        out.append(sp.settings(variant=sp.variants[0], n_gpu_layers=sp.n_layer + 1 if sp.has_gpu else 0, kv="f16",
+                               flash_attn=fa, **{**common, "n_ubatch": 512 if 512 in sp.n_ubatch else common["n_ubatch"]}))
+        # as the study will ask them (a multi-device space states the split: llama.cpp's default
+        # becomes the arithmetic's even split)
+        from optuna.trial import FixedTrial
+
         unique: dict[str, Settings] = {}
         for s in out:
+            s = sp.suggest(FixedTrial(sp.params_for(s)))
             unique.setdefault(settings_key(s), s)
         return list(unique.values())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +35,22 @@ def placement_patterns(strategy: str, k: int) -> tuple[str, ...]:
         return ()
     layers = "|".join(str(i) for i in range(k))
     return (rf"^blk\.({layers})\.{suffix}$",)
+
+
+def placement_of(overrides: Sequence[str]) -> tuple[str, int]:
+    """The strategy and k whose ``placement_patterns`` are ``overrides`` (("none", 0) for none).
+
+    Raises ValueError for overrides no strategy writes."""
+    if not overrides:
+        return "none", 0
+    if len(overrides) == 1:
+        m = re.match(r"^\^blk\\\.\(([\d|]+)\)\\\.", overrides[0])
+        if m:
+            k = len(m.group(1).split("|"))
+            for strategy in PLACEMENTS:
+                if placement_patterns(strategy, k) == tuple(overrides):
+                    return strategy, k
+    raise ValueError(f"tensor overrides {list(overrides)} are not a placement strategy of the search space")
 
 
 @dataclass(frozen=True)
@@ -178,7 +195,10 @@ class SearchSpace:
         if self.has_gpu and len(self.offload_kqv) > 1:
             params["offload_kqv"] = s.offload_kqv
         if self.has_gpu and len(self.placements) > 1:
-            params["placements"] = "none"
+            strategy, k = placement_of(s.tensor_overrides)
+            params["placements"] = strategy
+            if strategy != "none":
+                params["placement_layers"] = k
         return params
 
 

@@ -182,7 +182,9 @@ class Tuner:
         done, launched_before = self._resume(study)
         resumed = bool(done)
         if not resumed:
-            for s in self.candidates.seeds(self.space, self.machine.physical_cores):
+            for s in self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
+                                           depth=self.bench.depth + self.bench.n_gen // 2,
+                                           unified_memory=self.machine.unified_memory):
                 study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True}, skip_if_exists=True)
         self.emit({"kind": "start", "study": self.study_name, "storage": _redact(self.storage), "resumed": resumed,
                    "done": len(done), "space": self.space.describe(), "grid": self.space.grid_size(),
