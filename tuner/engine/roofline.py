@@ -50,6 +50,7 @@ import numpy as np
 
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import ModelInfo
+from ..model.special import flash_attn_forms
 from .base import BenchSpec, Stats, TrialResult
 from .logparse import LoadReport
 from .outcome import Outcome
@@ -362,11 +363,7 @@ class RooflineEngine:
 
     def memory(self, s: Settings) -> MemoryEstimate:
         """The memory arithmetic for ``s`` on this machine's devices."""
-        return estimate(
-            self.models[s.model_path], n_gpu_layers=s.n_gpu_layers, n_ctx=s.n_ctx, type_k=s.type_k, type_v=s.type_v,
-            tensor_split=s.tensor_split, devices=self.names, n_ubatch=s.n_ubatch, flash_attn=s.flash_attn != "off",
-            offload_kqv=s.offload_kqv, tensor_overrides=s.tensor_overrides,
-        )
+        return estimate(self.models[s.model_path], s, devices=self.names)
 
     def out_of_memory(self, est: MemoryEstimate) -> str | None:
         """The device that cannot hold its share (``CPU`` for the host), or None when all fit."""
@@ -431,12 +428,12 @@ class RooflineEngine:
         touched = 1.0 - (1.0 - used) ** n
         bytes_read = c.n_bytes * np.where(c.routed, touched, 1.0)
         flops = 2.0 * n * c.elements * np.where(c.routed, used, 1.0)
-        moved = c.mask(s.tensor_overrides)
+        moved = c.mask(s.host_overrides)
         kv_per_token = c.kv_per_token(s.type_k, s.type_v)
         quantized = s.type_k not in _FLOAT_KV or s.type_v not in _FLOAT_KV
         kv_bytes = context * kv_per_token * (QUANTIZED_KV_COST if quantized else 1.0)
         has_kv = kv_per_token > 0
-        if s.flash_attn == "off":
+        if not flash_attn_forms(s.flash_attn).enabled:
             kv_bytes = kv_bytes + has_kv * 3.0 * n * context * info.n_head * 4  # f32 scores: written, softmaxed, read
         kv_flops = has_kv * 4.0 * n * context * info.n_head * info.head_size_k
         return Work(c.per_layer(bytes_read, ~moved), c.per_layer(flops, ~moved), c.per_layer(bytes_read, moved),

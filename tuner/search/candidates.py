@@ -184,7 +184,7 @@ class Candidates:
         expert tensors; the embeddings table gives one row), and the KV cache at ``depth``."""
         info = self.models[s.model_path]
         placement = layer_devices(info.n_layer, s.n_gpu_layers, [d.name for d in self.devices], s.tensor_split)
-        patterns = [re.compile(p) for p in s.tensor_overrides]
+        patterns = [re.compile(p) for p in s.host_overrides]
         used = info.expert_used_count / info.expert_count if info.is_moe else 1.0
         host = accel = 0.0
         for t in info.tensors:
