@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tuner.engine.logparse import LoadReport, accuracy_report, format_report, parse_log, truth_matches
+from tuner.engine.logparse import LoadReport, ModelLoad, accuracy_report, format_report, parse_log, truth_matches
 
 MiB = 1048576
 LOGS = Path(__file__).parent / "logs"
@@ -153,18 +153,85 @@ def _prefixed(prefix_for) -> str:
     return "\n".join(prefix_for(i) + line for i, line in enumerate(MODERN.splitlines())) + "\n"
 
 
-@pytest.mark.parametrize("prefix_for", [
-    lambda i: f"0.{i:02d}.015.212 I ",                                     # llama.cpp --log-timestamps
-    lambda i: f"Jun 01 12:00:{i:02d} gpubox ollama[1234]: ",               # journald
-    lambda i: "ollama  | ",                                                # docker compose
-    lambda i: "ollama-1  | 2024-06-01T12:00:00.123456789Z ",               # compose + docker --timestamps
-    lambda i: f"2025-01-30T22:09:{i:02d}.123+01:00 ",                      # ISO with zone
-    lambda i: f"[2023-11-11 00:02:{i:02d}.402] ",                          # bracketed ISO
-    lambda i: f"2026-01-30 22:09:{i:02d} [DEBUG] ",                        # LM Studio
-    lambda i: "\x1b[34m0.00.015.212\x1b[0m \x1b[32mI \x1b[0m",            # coloured llama.cpp prefix
-], ids=["llama-ts", "journald", "docker", "docker-ts", "iso-zone", "iso-bracket", "lmstudio", "ansi"])
+# One entry per kind of prefix a carrier puts in front of llama.cpp's lines (the line number goes
+# into the timestamp where the format has one, so no two lines carry the same prefix).
+PREFIXES = {
+    "llama-ts": lambda i: f"0.{i:02d}.015.212 I ",                               # llama.cpp --log-timestamps
+    "ansi": lambda i: "\x1b[34m0.00.015.212\x1b[0m \x1b[32mI \x1b[0m",           # coloured llama.cpp prefix
+    "journald": lambda i: f"Jun 01 12:00:{i:02d} gpubox ollama[1234]: ",          # journalctl (short)
+    "journald-precise": lambda i: f"Jun  1 12:00:{i:02d}.123456 gpubox ollama[1234]: ",  # -o short-precise
+    "journald-iso": lambda i: f"2026-06-09T08:10:{i:02d}+0000 gpubox ollama[1234]: ",   # -o short-iso
+    "journald-monotonic": lambda i: f"[ 1234.{i:06d}] gpubox ollama[1234]: ",     # -o short-monotonic
+    "journald-unix": lambda i: f"1717243200.{i:06d} gpubox ollama[1234]: ",       # -o short-unix
+    "syslog-pri": lambda i: f"<30>Jun  1 12:00:{i:02d} gpubox ollama[1234]: ",    # RFC 3164 with priority
+    "syslog-5424": lambda i: f"<14>1 2026-06-09T08:10:{i:02d}.538Z gpubox ollama 1234 - - ",  # RFC 5424
+    "sd-daemon": lambda i: "<6>",                                                 # stderr level prefix for journald
+    "docker": lambda i: "ollama  | ",                                             # docker compose
+    "docker-ts": lambda i: "ollama-1  | 2024-06-01T12:00:00.123456789Z ",        # compose + docker --timestamps
+    "model-runner": lambda i: f"2026-06-09 08:10:{i:02d}.538 | [2026-04-26T00:20:42.763232000Z] ",  # Docker Model Runner
+    "compose-model-runner": lambda i: f"model-runner-1  | 2026-06-09 08:10:{i:02d}.538 | [2026-04-26T00:20:42.763232000Z] ",
+    "kubectl": lambda i: f"[pod/llama-0/server] 2024-06-01T12:00:{i:02d}.123456789Z stdout F ",  # kubectl logs --prefix, CRI
+    "iso-zone": lambda i: f"2025-01-30T22:09:{i:02d}.123+01:00 ",                 # ISO with zone
+    "iso-bracket": lambda i: f"[2023-11-11 00:02:{i:02d}.402] ",                  # bracketed ISO
+    "iso-utc": lambda i: f"2026-06-09 08:10:{i:02d} UTC ",
+    "go-log": lambda i: f"2024/06/01 12:00:{i:02d} ",                             # Go's log package
+    "time-only": lambda i: f"12:00:{i:02d}.123 ",
+    "time-bracket": lambda i: f"[12:00:{i:02d}] ",
+    "epoch": lambda i: f"{1717243200 + i} ",
+    "epoch-bracket": lambda i: f"[{1717243200 + i}.123] ",
+    "glog": lambda i: f"I0609 08:10:{i:02d}.538123 12345 runner.cc:42] ",         # glog / Abseil
+    "python-logging": lambda i: "INFO:llama_cpp:",                                # logging's default format
+    "python-logging-time": lambda i: f"2026-06-09 08:10:{i:02d},538 - llama_cpp - INFO - ",  # the cookbook's
+    "lmstudio": lambda i: f"2026-01-30 22:09:{i:02d} [DEBUG] ",                   # LM Studio
+}
+
+
+@pytest.mark.parametrize("prefix_for", list(PREFIXES.values()), ids=list(PREFIXES))
 def test_prefixes_are_stripped(prefix_for) -> None:
     _check_modern(parse_log(_prefixed(prefix_for)))
+
+
+@pytest.mark.parametrize("line", [
+    "<3>llama_model_load: boom",                                                 # sd-daemon "err"
+    "<11>1 2026-06-09T08:10:09.538Z gpubox ollama 1234 - - llama_model_load: boom",  # RFC 5424 user.err
+    "<27>Jun  1 12:00:00 gpubox ollama[1234]: llama_model_load: boom",           # daemon.err
+    "E0609 08:10:09.538123 12345 runner.cc:42] llama_model_load: boom",          # glog E
+    "ERROR:llama_cpp:llama_model_load: boom",                                    # Python logging
+    "2026-06-09 08:10:09,538 - llama_cpp - ERROR - llama_model_load: boom",
+    "time=2025-01-30T10:00:00.000+01:00 level=ERROR source=server.go:1 msg=\"llama_model_load: boom\"",
+    "ollama  | 0.00.100.000 E llama_model_load: boom",
+])
+def test_a_carrier_that_says_error_makes_an_error_line(line: str) -> None:
+    # "llama_model_load: boom" says nothing of an error by itself; only its carrier's level does
+    assert parse_log("llama_model_load: boom\n").errors == ()
+    assert parse_log(line + "\n").errors[0].endswith("llama_model_load: boom"), line
+    assert parse_log(line.replace("ERROR", "INFO").replace("E0609", "I0609").replace(" E ", " I ")
+                     .replace("<3>", "<6>").replace("<11>", "<14>").replace("<27>", "<30>") + "\n").errors == ()
+
+
+def test_2024_server_text_log_format() -> None:
+    # tools/server/utils.hpp (2024): "%4s [%24s] %s" then " | key=value" for the extra fields
+    text = (' INFO [                    main] build info | tid="139949045108736" timestamp=1717243200 build=3046 commit="5921b8f0"\n'
+            ' INFO [           print_timings] prompt eval time     =     123.45 ms /    10 tokens (   12.35 ms per token,'
+            '    81.00 tokens per second) | tid="1" timestamp=1 id_slot=0 id_task=0\n'
+            ' INFO [           print_timings] generation eval time =    1000.00 ms /    25 runs   (   40.00 ms per token,'
+            '    25.00 tokens per second) | tid="1" timestamp=1 id_slot=0 id_task=0\n'
+            '  ERR [              load_model] unable to load model | tid="1" timestamp=1 model="/m/x.gguf"\n')
+    r = parse_log(text)
+    assert r.build == "3046 (5921b8f0)"
+    assert (r.prompt_tps, r.eval_tps) == (pytest.approx(81.0), pytest.approx(25.0))
+    assert r.errors == ('ERR [              load_model] unable to load model | tid="1" timestamp=1 model="/m/x.gguf"',)
+
+
+def test_ollama_slog_lines() -> None:
+    # Go's log/slog text handler quotes a value only when it must: msg="two words", msg=word
+    text = ('time=2025-01-30T10:00:00.000+01:00 level=INFO source=server.go:1 msg="load_tensors: offloaded 20/33 layers to GPU"\n'
+            'time=2025-01-30T10:00:00.001+01:00 level=INFO source=server.go:2 msg="llama_context: n_ctx = 8192"\n'
+            'time=2025-01-30T10:00:00.002+01:00 level=INFO source=server.go:3 msg=starting\n'
+            'time=2025-01-30T10:00:00.003+01:00 level=ERROR source=server.go:4 msg="llama runner terminated" error="exit status 2"\n')
+    r = parse_log(text)
+    assert (r.layers_offloaded, r.layers_total, r.n_ctx) == (20, 33, 8192)
+    assert r.errors == ("llama runner terminated",)
 
 
 def test_lm_studio_header_lines_and_leading_space() -> None:
@@ -287,9 +354,15 @@ def test_2023_order_buffers_before_offload_line_repeated_pass() -> None:
            "llm_load_tensors: VRAM used           = 6340.49 MiB\n"
            "llm_load_tensors: offloaded 41/41 layers to GPU\n")
     r = parse_log(one + two)
-    assert r.model_buffers == {"system memory used": round(195.40 * MiB), "VRAM used": round(6340.49 * MiB)}
-    assert (r.layers_offloaded, r.layers_total) == (41, 41)
-    assert r.kv_size is None and r.compute_buffers == {}  # the second pass built no context yet
+    first, second = r.loads  # two loads, neither adds to the other
+    assert second.model_buffers == {"system memory used": round(195.40 * MiB), "VRAM used": round(6340.49 * MiB)}
+    assert (second.layers_offloaded, second.layers_total) == (41, 41)
+    assert second.kv_size is None and second.compute_buffers == {} and second.n_ctx is None  # no context yet
+    assert first.model_buffers == {"system memory used": round(5506.41 * MiB), "VRAM used": round(1701.95 * MiB)}
+    # the top level is the last load that got as far as a context: the first one, whole
+    assert r.model_buffers == first.model_buffers
+    assert (r.layers_offloaded, r.layers_total) == (10, 41)
+    assert (r.n_ctx, r.kv_size, r.compute_buffers) == (2048, 1600 * MiB, {"compute buffer total": round(197.19 * MiB)})
 
 
 def test_repeated_assignment_blocks_last_wins() -> None:
@@ -301,6 +374,42 @@ def test_repeated_assignment_blocks_last_wins() -> None:
                   + second + "load_tensors: CUDA0 model buffer size = 2.00 MiB\n")
     assert (r.layers_offloaded, r.layers_total) == (2, 5)
     assert r.model_buffers == {"CUDA0": 2 * MiB}
+
+
+def test_every_load_is_kept_and_a_cut_second_load_does_not_hide_the_first() -> None:
+    # one model's complete load and context, then the start of a second model's load (a server
+    # switching models, a log cut short): the first context is kept, and both loads are listed
+    second = ("llama_model_loader: loaded meta data with 30 key-value pairs and 291 tensors from /m/y.gguf (version GGUF V3 (latest))\n"
+              "print_info: n_layer          = 16\n"
+              "load_tensors: offloaded 17/17 layers to GPU\n"
+              "load_tensors:        CUDA0 model buffer size =   700.00 MiB\n")
+    r = parse_log(MODERN + second)
+    _check_modern(r)  # the top level is the first load: the last one that got as far as a context
+    assert len(r.loads) == 2
+    first, cut = r.loads
+    assert (first.layers_offloaded, first.n_ctx, first.kv_size) == (20, 8192, 1024 * MiB)
+    assert first.compute_buffers == {"CUDA0": 300 * MiB, "CUDA_Host": round(24.01 * MiB)}
+    assert (cut.layers_offloaded, cut.layers_total, cut.model_buffers) == (17, 17, {"CUDA0": 700 * MiB})
+    assert (cut.n_ctx, cut.kv_size, cut.kv_buffers, cut.compute_buffers) == (None, None, {}, {})
+    # once the second load has its context, it is the top level
+    later = parse_log(MODERN + second + "llama_context: constructing llama_context\nllama_context: n_ctx = 2048\n"
+                      "llama_kv_cache:      CUDA0 KV buffer size =    32.00 MiB\n")
+    assert (later.layers_offloaded, later.n_ctx, later.kv_buffers) == (17, 2048, {"CUDA0": 32 * MiB})
+    assert [load.n_ctx for load in later.loads] == [8192, 2048]
+
+
+def test_loads_of_a_fit_dry_run_and_of_a_failed_load() -> None:
+    r = parse_log(FIT_PASS + MODERN)
+    assert [(load.layers_offloaded, load.n_ctx) for load in r.loads] == [(49, 40960), (20, 8192)]
+    # a load that failed before its context: it is listed, and it is the top level (the only one)
+    failed = parse_log("llama_model_loader: loaded meta data with 35 key-value pairs and 579 tensors from /m/x.gguf\n"
+                       "load_tensors: offloaded 33/33 layers to GPU\n"
+                       "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9000.00 MiB on device 0: cudaMalloc failed: out of memory\n"
+                       "llama_model_load: error loading model: unable to allocate CUDA0 buffer\n")
+    assert len(failed.loads) == 1 and failed.oom
+    assert (failed.layers_offloaded, failed.n_ctx) == (33, None)
+    assert parse_log("").loads == () and parse_log("llama_perf_context_print: eval time = 1.00 ms / 1 runs "
+                                                   "(1.00 ms per token, 1000.00 tokens per second)\n").loads == ()
 
 
 def test_split_gguf_buffers_of_one_pass_are_summed() -> None:
@@ -657,9 +766,12 @@ def test_to_dict_is_json_ready_and_complete() -> None:
     d = r.to_dict()
     json.dumps(d)
     assert set(d) == {"layers_offloaded", "layers_total", "oom", "model_buffers", "kv_buffers", "compute_buffers",
-                      "kv_size", "type_k", "type_v", "n_ctx", "devices", "prompt_tps", "eval_tps", "build", "errors"}
+                      "kv_size", "type_k", "type_v", "n_ctx", "devices", "prompt_tps", "eval_tps", "build", "errors",
+                      "loads"}
     assert d["errors"] == ["llama_init_from_model: failed to initialize the context: boom"]
-    assert LoadReport(**{**d, "errors": tuple(d["errors"])}) == r
+    assert len(d["loads"]) == 1 and d["loads"][0]["n_ctx"] == 8192 and d["loads"][0]["kv_size"] == 1024 * MiB
+    loads = tuple(ModelLoad(**load) for load in d["loads"])
+    assert LoadReport(**{**d, "errors": tuple(d["errors"]), "loads": loads}) == r
 
 
 def test_format_report() -> None:
@@ -696,3 +808,185 @@ def test_parse_log_command_reads_a_file_and_stdin() -> None:
     assert (data["layers_offloaded"], data["layers_total"]) == (10, 33)
     text = CliRunner().invoke(cli, ["parse-log", "-"], input=path.read_text(encoding="utf-8", errors="replace"))
     assert text.exit_code == 0 and "10/33 offloaded (partial offload!)" in text.output
+
+
+# ---------------------------------------------------------------------------------------------
+# Hostile input: fuzzing, absurd numbers, and time linear in the input
+# ---------------------------------------------------------------------------------------------
+
+# Numbers a parser must not trust: 400 digits, overflow to inf, not a number, negative, huge floats.
+HOSTILE_NUMBERS = ["9" * 400, "1" + "0" * 400 + ".5", "1e400", "NaN", "nan", "inf", "-inf", "-1", "-0.0",
+                   "9" * 30, "18446744073709551616", "1" * 4400, "0.000", "1,2,3", "9" * 308 + ".9"]
+_NUMBER = __import__("re").compile(r"\d+(?:[.,]\d+)?")
+_MAX_BYTES = 1 << 60
+
+
+@__import__("functools").lru_cache(maxsize=1)
+def _real_lines() -> tuple[str, ...]:
+    lines = [line for path in sorted(LOGS.glob("*.log")) for line in _read(path.name).splitlines() if line.strip()]
+    return tuple(lines + MODERN.splitlines() + FIT_PASS.splitlines())
+
+
+def _mutate(line: str, rng: random.Random) -> str:
+    kind = rng.randrange(7)
+    if kind == 0:  # every number hostile
+        return _NUMBER.sub(lambda m: rng.choice(HOSTILE_NUMBERS), line)
+    if kind == 1:  # characters inserted, deleted, replaced
+        chars = list(line)
+        for _ in range(rng.randrange(1, 8)):
+            at = rng.randrange(len(chars) + 1)
+            op = rng.randrange(3)
+            if op == 0:
+                chars.insert(at, chr(rng.choice([rng.randrange(32, 127), rng.randrange(0, 0x3000), 0, 27, 13])))
+            elif chars and at < len(chars):
+                if op == 1:
+                    del chars[at]
+                else:
+                    chars[at] = rng.choice(":|[]()=/.,-_ \t\"'{}\\")
+        return "".join(chars)
+    if kind == 2:  # a stack of carrier prefixes
+        prefixes = list(PREFIXES.values())
+        return "".join(rng.choice(prefixes)(rng.randrange(60)) for _ in range(rng.randrange(1, 5))) + line
+    if kind == 3:  # glued to the next message, or cut anywhere
+        other = rng.choice(_real_lines())
+        return line[: rng.randrange(len(line) + 1)] + rng.choice(["", ")", "...", "\r", "\x00", " | "]) + other
+    if kind == 4:  # wrapped the way structured carriers write it
+        body = line.replace("\\", "\\\\").replace('"', '\\"')
+        return rng.choice([f'{{"level":"ERROR","msg":"{body}"}}', f'time=x level=ERROR msg="{body}', f'{{"msg": "{body}',
+                           f"time=2025-01-01T00:00:00Z level=INFO msg={body}", f' ERR [{body[:24]:>24}] {body} | tid="1"'])
+    if kind == 5:  # a segment repeated many times
+        if not line:
+            return line
+        a = rng.randrange(len(line))
+        b = min(len(line), a + rng.randrange(1, 40))
+        return line[:a] + line[a:b] * rng.randrange(2, 200) + line[b:]
+    return line.upper() if rng.random() < 0.5 else line.replace(" ", "")
+
+
+def _fuzz_inputs(count: int = 10_000) -> list[str | bytes]:
+    rng = random.Random(20260609)
+    real = _real_lines()
+    inputs: list[str | bytes] = [
+        # a few 1 MB lines: noise, digits, a JSON body, a line of one repeated message
+        rng.randbytes(1 << 21).decode("utf-16-le", errors="replace").replace("\n", " ")[: 1 << 20],
+        "llama_context: n_ctx = " + "9" * (1 << 20),
+        '{"content":"' + "x" * (1 << 20) + '","timings":{"prompt_per_second":NaN,"predicted_per_second":1e400}}',
+        "load_tensors: CUDA0 model buffer size = 12.00 MiB " * (1 << 20 // 48),
+        rng.randbytes(1 << 20),
+    ]
+    while len(inputs) < count:
+        kind = rng.randrange(4)
+        if kind == 0:
+            inputs.append(rng.randbytes(rng.randrange(300)))
+        elif kind == 1:
+            inputs.append(_mutate(rng.choice(real), rng))
+        elif kind == 2:  # a small log: real lines, some mutated, any line ending
+            lines = [rng.choice(real) for _ in range(rng.randrange(2, 30))]
+            lines = [_mutate(line, rng) if rng.random() < 0.3 else line for line in lines]
+            inputs.append(rng.choice(["\n", "\r\n", "\r", "\n\n"]).join(lines))
+        else:
+            inputs.append(rng.choice(real).replace(rng.choice("0123456789"), rng.choice(HOSTILE_NUMBERS)))
+    return inputs
+
+
+def _check_sane(report: LoadReport) -> None:
+    """What a caller may rely on, whatever the input was."""
+    assert isinstance(report, LoadReport)
+    json.dumps(report.to_dict(), allow_nan=False)  # no NaN, no inf, nothing unserialisable
+    format_report(report)  # formats every figure (a 400-digit one raised OverflowError here)
+    for load in (report, *report.loads):
+        for sizes in (load.model_buffers, load.kv_buffers, load.compute_buffers):
+            assert all(isinstance(v, int) and 0 <= v <= _MAX_BYTES for v in sizes.values()), sizes
+        assert load.kv_size is None or 0 <= load.kv_size <= _MAX_BYTES
+        for count in (load.layers_offloaded, load.layers_total, load.n_ctx):
+            assert count is None or 0 <= count < 10 ** 15
+    assert all(0 <= v <= _MAX_BYTES for v in report.devices.values())
+    for rate in (report.prompt_tps, report.eval_tps):
+        assert rate is None or 0 <= rate <= 1e9
+
+
+def test_fuzz_10000_inputs_never_raise_and_give_sane_reports() -> None:
+    inputs = _fuzz_inputs()
+    assert len(inputs) == 10_000
+    for i, text in enumerate(inputs):
+        try:
+            _check_sane(parse_log(text))  # type: ignore[arg-type]
+        except Exception as exc:  # pragma: no cover - the message says which input
+            raise AssertionError(f"input {i} ({text[:200]!r}...): {type(exc).__name__}: {exc}") from exc
+
+
+@pytest.mark.parametrize("line", [
+    "llama_model_load_from_file_impl: using device CUDA0 (NVIDIA) - " + "9" * 400 + " MiB free",
+    "load_tensors:        CUDA0 model buffer size = " + "9" * 400 + ".00 MiB",
+    "load_tensors:        CUDA0 model buffer size = " + "9" * 300 + ".00 GiB",
+    "load_tensors: offloaded " + "9" * 400 + "/33 layers to GPU",
+    "llama_context: n_ctx         = " + "9" * 400,
+    "llama_kv_cache: size = 1.00 MiB (" + "9" * 400 + " cells,  32 layers,  1/1 seqs), K (f16): 1 MiB, V (f16): 1 MiB",
+    "llama_perf_context_print:        eval time =    0.00 ms / " + "9" * 400 + " runs   (    0.00 ms per token,      inf tokens per second)",
+    "load_tensors:        CUDA0 model buffer size = -12.00 MiB",
+    "build: " + "9" * 400 + " (abcdef12) with cc for x86_64",
+])
+def test_absurd_numbers_are_not_read(line: str) -> None:
+    r = parse_log(line + "\n")
+    _check_sane(r)
+    assert r.model_buffers == {} and r.devices == {} and r.layers_offloaded is None and r.n_ctx is None
+    assert r.eval_tps is None and r.build is None
+
+
+def test_an_absurd_rate_is_worked_out_from_the_time_and_count() -> None:
+    r = parse_log("llama_perf_context_print:        eval time =    2.00 ms /     1 runs   (    2.00 ms per token, "
+                  + "9" * 400 + ".00 tokens per second)\n")
+    assert r.eval_tps == 500.0  # 1 run in 2 ms
+
+
+def test_parse_log_command_on_a_400_digit_number_prints_the_report(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from tuner.cli.main import cli
+
+    log = tmp_path / "huge.log"
+    log.write_text("llama_model_load_from_file_impl: using device CUDA0 (NVIDIA) - " + "9" * 400 + " MiB free\n"
+                   "load_tensors: offloaded 20/33 layers to GPU\n", encoding="utf-8")
+    for args in ([str(log)], [str(log), "--json"]):
+        result = CliRunner().invoke(cli, ["parse-log", *args])
+        assert result.exit_code == 0, result.output
+        assert "20" in result.output and "9999" not in result.output
+
+
+# Lines built to make a backtracking regex go quadratic (or worse) if one ever could: the same
+# pattern start over and over in one 8 KB line, unclosed quotes, long runs of spaces or digits.
+_W = 8000
+PATHOLOGICAL = {
+    "oom-phrase": "alloc_tensor_range: " + "failed to allocate " * (_W // 19),
+    "using-device": "llama_model_load_from_file_impl: " + "using device CUDA0 (" * (_W // 20),
+    "breakdown": "llama_memory_breakdown_print: | - CUDA0 (" * (_W // 40),
+    "glue-word": "x)" + "llama_" * (_W // 6) + ": y",
+    "glue-srv": "xsrv " * (_W // 5) + ": ",
+    "build-spaces": "build" + " " * _W + "1 (abcd)",
+    "build-digits": "build " + "9" * _W,
+    "slog-msgs": "time=x level=INFO " + " msg=" * (_W // 5),
+    "slog-unclosed": 'time=x level=INFO msg="' + "\\" * _W,
+    "json-unclosed": '{"msg"' + ': "' * (_W // 3),
+    "func-colons": "a: " * (_W // 3),
+    "error-words": "a" * 80 + ": " + "error " * (_W // 6),
+    "brackets": "[" * _W,
+    "prefixes": "2026-06-09 08:10:09.538 | " * (_W // 26),
+    "compose": "a " * (_W // 2) + "|",
+    "ansi": "\x1b[" + "1" * _W,
+    "kv-size": "llama_kv_cache: size = 1 MiB (1 cells, 1 layers, 1" + " " * _W,
+    "syslog": "<1>1 " + "a " * (_W // 2),
+    "loads": "llama_model_loader: loaded meta data with 1 key-value pairs\nload_tensors: offloaded 1/1 layers to GPU",
+}
+
+
+def test_pathological_lines_take_linear_time() -> None:
+    # 50 copies of each (~7 MB in all). Linear code reads them in seconds even on a busy CI
+    # machine; one quadratic regex would take minutes. The bound is generous on purpose: this
+    # test catches a blow-up, benchmarks/logparse_speed.py measures speed.
+    import time
+
+    started = time.monotonic()
+    for name, line in PATHOLOGICAL.items():
+        r = parse_log((line + "\n") * 50)
+        _check_sane(r)
+    assert time.monotonic() - started < 120

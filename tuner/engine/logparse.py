@@ -14,18 +14,31 @@ What it pulls out (all sizes in bytes; llama.cpp prints MiB, and its 2023 "MB" i
 
 How it reads:
 
-1. Transport damage is undone first: CRLF, ANSI colours, docker-compose / journald / ISO / CRI
-   timestamps, llama.cpp's own ``0.00.015.212 I`` prefix, ``[DEBUG]`` headers, JSON log lines
-   (their ``msg`` is read as a log line), glued lines (progress dots or a ``)`` directly followed by
-   the next message), collapsed whitespace, decimal commas.
+1. Transport damage is undone first: CRLF, ANSI colours, and any stack of prefixes that whatever
+   carried the log put in front of llama.cpp's lines (docker compose's ``service-1  | ``; ISO
+   timestamps of every precision, bracketed or not, two in a row as Docker Model Runner writes
+   them; Go, epoch, time-of-day and glog timestamps; journald and syslog in their BSD, RFC 5424,
+   short-iso / monotonic / unix forms; CRI stream tags; Python logging; llama.cpp's own
+   ``0.00.015.212 I`` prefix), ``[DEBUG]`` / ``INFO [  func]`` headers, JSON log lines and Ollama's
+   ``time=... level=... msg=...`` lines (their ``msg`` is read as a log line), glued lines
+   (progress dots or a ``)`` directly followed by the next message), collapsed whitespace, decimal
+   commas. A carrier that says a line is an error (``level=ERROR``, ``E`` levels, syslog
+   priorities 0-3) makes it one.
 2. Each logical line is matched against regexes written from llama.cpp's format strings; every
    regex names, in a comment, the format string it matches and the era that printed it.
-3. A log can hold more than one load pass (``--fit`` dry runs load the model and create a context
-   without allocating, then the real load repeats the same lines). The LAST pass wins: model-scoped
-   values reset when a new load pass starts, context-scoped values when a new context starts.
+3. A log can hold more than one model load (``--fit`` dry runs load the model and create a context
+   without allocating, then the real load repeats the same lines; a server switches models; a log
+   ends in the middle of the next load). Every load is kept in ``LoadReport.loads``, in order, with
+   the last context created on it; model-scoped values start afresh when a new load starts,
+   context-scoped values when a new context starts. The top-level fields are those of the last load
+   that got as far as a context (else of the last load), so a second load that was cut off, or
+   failed, never hides the first one's context.
 
-Nothing here raises on garbage: an unparseable text gives an empty ``LoadReport``. Pure Python,
-parsing uses only ``re``.
+A log is text someone else wrote. Nothing here raises on garbage (an unparseable text gives an empty
+``LoadReport``); numbers beyond what llama.cpp could print (a 400-digit count, ``1e400``, ``NaN``, a
+negative size) are read as "not said"; and time is linear in the input: lines over 8 KiB are read
+whole for JSON fields only, every regex is linear, and a cheap word test keeps most lines away from
+the regexes (``benchmarks/logparse_speed.py`` measures it). Pure Python, parsing uses only ``re``.
 """
 
 from __future__ import annotations
@@ -33,11 +46,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any
 
 MiB = 1048576
 
-__all__ = ["LoadReport", "parse_log", "format_report", "accuracy_report", "truth_matches", "main"]
+__all__ = ["LoadReport", "ModelLoad", "parse_log", "format_report", "accuracy_report", "truth_matches", "main"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,9 +82,43 @@ def _normalise_device(label: str) -> str:
     return label
 
 
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return value
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model load in a log, with the last context created on it (``None``/empty where the log
+    does not say: a load cut off or failed before its context has no ``n_ctx`` or KV)."""
+
+    layers_offloaded: int | None = None
+    layers_total: int | None = None
+    model_buffers: dict[str, int] = field(default_factory=dict)   # label as printed -> bytes
+    kv_buffers: dict[str, int] = field(default_factory=dict)      # device -> bytes
+    compute_buffers: dict[str, int] = field(default_factory=dict)  # device -> bytes
+    kv_size: int | None = None                                    # total KV bytes
+    type_k: str | None = None
+    type_v: str | None = None
+    n_ctx: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+
 @dataclass(frozen=True)
 class LoadReport:
-    """What a llama.cpp log says about one model load (the last pass) and its run."""
+    """What a llama.cpp log says: every model load (``loads``, in order), the run, the failures.
+
+    The load fields (``layers_*``, ``model_buffers``, ``kv_*``, ``compute_buffers``, ``type_*``,
+    ``n_ctx``) are those of the last load that got as far as a context (else of the last load);
+    ``oom``, ``errors``, ``devices``, the speeds and ``build`` are the whole log's.
+    """
 
     layers_offloaded: int | None = None
     layers_total: int | None = None
@@ -88,6 +135,7 @@ class LoadReport:
     eval_tps: float | None = None
     build: str | None = None
     errors: tuple[str, ...] = ()
+    loads: tuple[ModelLoad, ...] = ()
 
     @property
     def partial_offload(self) -> bool | None:
@@ -136,16 +184,9 @@ class LoadReport:
         return bool(self.layers_offloaded) and self.effective_layers_offloaded == 0
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict of every field, by name (tuples become lists, dicts are copied)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, dict):
-                v = dict(v)
-            elif isinstance(v, tuple):
-                v = list(v)
-            out[f.name] = v
-        return out
+        """JSON-ready dict of every field, by name (tuples become lists, dicts are copied, each
+        load a dict)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -159,21 +200,45 @@ _UNIT = r"(?:[KMG]i?B|B)\b"
 _UNIT_FACTOR = {"B": 1, "KB": 1024, "KIB": 1024, "MB": MiB, "MIB": MiB, "GB": 1024 * MiB, "GIB": 1024 * MiB}
 
 
-def _float(s: str | None) -> float | None:
-    if s is None:
+# A log is text someone else wrote: every number read from it is bounded before it is used, so a
+# 400-digit figure (or 1e400) is "not said" instead of an OverflowError in whoever formats it.
+# No llama.cpp count (layers, cells, tokens, build number) reaches 10^15, and no buffer 2^60 bytes.
+_MAX_DIGITS = 15
+_MAX_BYTES = 1 << 60
+_MAX_RATE = 1e9  # tokens per second
+
+
+def _int(s: str | None) -> int | None:
+    """A count as printed, or None when it is absent or absurd."""
+    if s is None or len(s) > _MAX_DIGITS:
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
+def _float(s: str | None, limit: float = 1e18) -> float | None:
+    if s is None or len(s) > 40:
         return None
     try:
         v = float(s.replace(",", "."))
     except ValueError:
         return None
-    return v if math.isfinite(v) else None
+    return v if math.isfinite(v) and abs(v) <= limit else None
 
 
 def _bytes(num: str, unit: str = "MiB") -> int | None:
     v = _float(num)
-    if v is None:
+    if v is None or v < 0:
         return None
-    return int(round(v * _UNIT_FACTOR.get(unit.upper(), MiB)))
+    size = int(round(v * _UNIT_FACTOR.get(unit.upper(), MiB)))
+    return size if size <= _MAX_BYTES else None
+
+
+def _rate(s: str | None) -> float | None:
+    v = _float(s, _MAX_RATE)
+    return v if v is None or v >= 0 else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,36 +246,65 @@ def _bytes(num: str, unit: str = "MiB") -> int | None:
 # ----------------------------------------------------------------------------------------------
 
 # ANSI colour / cursor sequences (llama.cpp colours its log prefix when stderr is a tty).
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_ANSI = re.compile(r"\x1b\[[0-9;?]{0,32}[ -/]{0,8}[@-~]")
 
-# Transport prefixes: added by whatever carried the log, not by llama.cpp. Removed before a line
-# is stored in ``errors`` too.
-_TRANSPORT = [
-    # docker compose: "ollama  | ", "ollama-1  | " (service name, padding, bar)
-    re.compile(r"^[A-Za-z0-9][\w.-]*\s+\|(?:\s|$)"),
-    # journald / syslog: "Jun 01 12:00:00 host ollama[123]: "
-    re.compile(r"^[A-Z][a-z]{2}\s+\d{1,2}\s+\d{2}:\d{2}:\d{2}\s+\S+\s+[^\s:\[]+(?:\[\d+\])?:\s"),
-    # ISO timestamp, bracketed or not, optional zone, then optional CRI stream tag and
-    # "host proc[pid]:" (docker --timestamps, kubectl logs, rsyslog ISO format, LM Studio)
-    re.compile(r"^\[?\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?"
-               r"(?:\s+(?:stdout|stderr)\s+[FP])?(?:\s+\S+\s+[\w.-]+\[\d+\]:)?(?:\s+|$)"),
+# Transport prefixes: added by whatever carried the log, not by llama.cpp. They stack (docker
+# compose around `docker --timestamps` around llama.cpp's own timestamp; Docker Model Runner's
+# "2026-06-09 08:10:09.538 | [2026-04-26T00:20:42.763232000Z] "), so the one regex below is
+# matched again and again at the start of the line (at most _MAX_PREFIXES times) and each match
+# may end in a "|" or " - " separator. Every alternative is anchored and linear. Removed before a
+# line is stored in ``errors`` too.
+_TS_DATE = r"\d{4}[-/]\d{2}[-/]\d{2}"
+_TS_TIME = r"\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?"
+_TS_ZONE = r"(?:Z|[+-]\d{2}:?\d{2}|\s(?:UTC|GMT))?"
+_PROC = r"[^\s:\[]{1,64}(?:\[\d{1,10}\])?:(?=\s|$)"   # "ollama[1234]:", "kernel:"
+_PREFIX = re.compile(
+    "(?:"
     # llama.cpp common log with timestamps: "%d.%02d.%03d.%03d " then "I "/"W "/"E "/"D "
-    # (common/log.cpp, 2024+; --log-timestamps / llama-server default since 2025)
-    re.compile(r"^\d+\.\d{2}\.\d{3}\.\d{3}\s+(?:[IWEDT]\s)?"),
-]
-# The level letter the llama.cpp prefix carried: "E" means the line was logged as an error.
-_LLAMA_LEVEL = re.compile(r"^\d+\.\d{2}\.\d{3}\.\d{3}\s+([IWEDT])\s")
+    # (common/log.cpp, 2024+; --log-timestamps, llama-server's default since 2025)
+    r"\d{1,10}\.\d{2}\.\d{3}\.\d{3}\s+(?:(?P<lvl>[IWEDT])\s)?"
+    # ISO 8601 / RFC 3339 (or Go's 2006/01/02), bracketed or not, fraction to the nanosecond, zone;
+    # then a CRI stream tag (kubectl logs, containerd) or "host proc[pid]:" (journalctl -o
+    # short-iso, rsyslog's ISO format). docker --timestamps, LM Studio, GitHub Actions, Docker
+    # Model Runner, Python logging ("2026-06-09 08:10:09,538").
+    r"|\[?" + _TS_DATE + r"[T ]" + _TS_TIME + _TS_ZONE + r"\]?"
+    r"(?:\s+(?:stdout|stderr)\s+[FP](?=\s|$))?(?:\s+\S{1,255}\s+[\w.@/-]{1,64}\[\d{1,10}\]:(?=\s|$))?"
+    # BSD syslog / journalctl (short, short-precise): "<3>Jun 01 12:00:00[.123456] host proc[pid]:"
+    r"|(?:<(?P<bsd_pri>\d{1,3})>)?[A-Z][a-z]{2}\s{1,2}\d{1,2}\s" + _TS_TIME + r"\s+\S{1,255}\s+" + _PROC +
+    # RFC 5424 syslog: "<PRI>1 TIMESTAMP HOST APP PROCID MSGID [SD]|- "
+    r"|<(?P<pri>\d{1,3})>\d{1,2}\s+\S{1,64}\s+\S{1,255}\s+\S{1,48}\s+\S{1,128}\s+\S{1,32}\s+(?:-|(?:\[[^\]]{0,1024}\]){1,8})(?=\s|$)"
+    # a bare syslog priority, as programs write to stderr for journald (sd-daemon.h): "<3>"
+    r"|<(?P<sd_pri>[0-7])>"
+    # journalctl -o short-monotonic "[ 1234.567890] host proc[pid]:", -o short-unix
+    # "1717243200.123456 host proc[pid]:"; epoch seconds or milliseconds alone
+    r"|\[\s{0,12}\d{1,12}\.\d{1,9}\]\s+\S{1,255}\s+" + _PROC +
+    r"|\[?\d{10}(?:\d{3})?(?:\.\d{1,9})?\]?(?:\s+\S{1,255}\s+[\w.@/-]{1,64}\[\d{1,10}\]:)?(?=\s)"
+    # a time of day alone: "12:00:00.123 ", "[12:00:00]"
+    r"|\[?" + _TS_TIME + r"\]?(?=\s)"
+    # glog (Abseil / TensorFlow / many C++ services): "E0609 08:10:09.538123 12345 file.cc:123] "
+    r"|(?P<glog>[IWEF])\d{4}\s" + _TS_TIME + r"\s+\d{1,10}\s+[\w./-]{1,128}:\d{1,7}\]"
+    # Python logging: the default format "ERROR:llama_cpp:", and the cookbook's
+    # "%(asctime)s - %(name)s - %(levelname)s - " after its timestamp (a carrier's logger)
+    r"|(?P<pylvl>DEBUG|INFO|WARNING|ERROR|CRITICAL):[\w.]{1,128}:"
+    r"|[\w.-]{1,64}\s-\s(?P<pylvl2>DEBUG|INFO|WARNING|ERROR|CRITICAL)\s-(?=\s)"
+    # docker compose: "ollama  | ", "ollama-1  | ", "service-1  | " (service name, padding, bar)
+    r"|[A-Za-z0-9][\w.-]{0,127}\s+\|(?=\s|$)"
+    r")(?:\s*\|(?=\s|$)|\s+-(?=\s))?\s*"
+)
+_MAX_PREFIXES = 8
 # llama.cpp common log with --log-prefix but no timestamps: "I llama_context: ..." (only when a
 # "func:" follows, so prose starting with "I " is left alone)
-_BARE_LEVEL = re.compile(r"^([IWED])\s(?=[\w.]+:)")
+_BARE_LEVEL = re.compile(r"^([IWED])\s(?=[\w.]{1,128}:)")
 
 # Decorations: level words and bracket tags some tools put before the message
 # ("[DEBUG]" LM Studio headers, "[info] [WASI-NN] GGML backend: " WasmEdge,
-#  "INFO [          print_timings] " 2024 llama-server text log format).
+#  "INFO [          print_timings] " 2024 llama-server text log format, whose messages end in
+#  " | tid=\"...\" timestamp=... key=value": the fields llama.cpp logged with the message).
 _DECOR = [
     re.compile(r"^(?:\[[^\]\n]{0,60}\]\s*)+"),
     re.compile(r"^(?:INFO|WARN(?:ING)?|ERROR|ERR|DEBUG|TRACE|FATAL|VERB)\b:?\s*(?=\[|$)"),
 ]
+_DECOR_START = frozenset("[IWEDTVFef")
 # A level word in front of the message ("ERROR: ...", "[ERROR] ...", "ERR [ load_model] ...",
 # 2024 llama-server text log): the carrier marked the line as an error.
 _ERROR_WORD_PREFIX = re.compile(r"^\[?(?:ERROR|ERR|FATAL|error|fatal)\b")
@@ -222,27 +316,39 @@ _GLUED_DOTS = re.compile(r"^(\.{3,})(?=[^.\s])")
 # A message that ends without "\n" followed by the next one: "( 2056.30 /  1536.00)ggml_backend_..."
 # (2024 Metal). Split before a known llama.cpp function prefix when the char before it cannot end
 # an identifier, or (for long, unmistakable prefixes) when it is not part of a longer identifier.
-_KNOWN_FUNC = (r"(?:llama_\w+|llm_\w+|ggml_\w+|gguf_\w+|load_tensors|print_info|load|alloc_tensor_range|"
-               r"sched_reserve|common_\w+|done_getting_tensors|main|system_info|srv\s+\w+|slot\s+\w+|build)")
-_LONG_FUNC = (r"(?:llm_load_tensors|load_tensors|llama_kv_cache\w*|llama_context|llama_new_context_with_model|"
-              r"llama_perf_\w+|llama_print_timings|ggml_backend_\w+|ggml_metal_\w+|llama_model_load\w*|"
+# Names are bounded (no llama.cpp function name is 64 characters long) so a line of one long word
+# costs linear time.
+_W = r"\w{0,64}"
+_KNOWN_FUNC = (r"(?:llama_" + _W + r"|llm_" + _W + r"|ggml_" + _W + r"|gguf_" + _W + r"|load_tensors|print_info|load|"
+               r"alloc_tensor_range|sched_reserve|common_" + _W + r"|done_getting_tensors|main|system_info|"
+               r"srv\s{1,16}\w{1,64}|slot\s{1,16}\w{1,64}|build)")
+_LONG_FUNC = (r"(?:llm_load_tensors|load_tensors|llama_kv_cache" + _W + r"|llama_context|llama_new_context_with_model|"
+              r"llama_perf_" + _W + r"|llama_print_timings|ggml_backend_" + _W + r"|ggml_metal_" + _W + r"|llama_model_load" + _W + r"|"
               r"alloc_tensor_range|print_info|llama_init_from_model)")
 _GLUE_SPLIT = re.compile(r"(?<=[)\]}>'\"])(?=" + _KNOWN_FUNC + r":\s)"
                          r"|(?<=[^\s_/\\.\w])(?=" + _LONG_FUNC + r":\s)"
-                         r"|(?<=[A-Za-z0-9])(?=(?:llm_load_tensors|llama_kv_cache\w*|llama_new_context_with_model"
-                         r"|llama_perf_context_print|llama_print_timings|ggml_backend_\w+):\s)")
+                         r"|(?<=[A-Za-z0-9])(?=(?:llm_load_tensors|llama_kv_cache" + _W + r"|llama_new_context_with_model"
+                         r"|llama_perf_context_print|llama_print_timings|ggml_backend_" + _W + r"):\s)")
+# (what the split looks for, as plain strings: _may_be_glued)
+_SRV_SLOT_AT = re.compile(r"(?:srv|slot)\s{1,16}\w{1,64}:\s")
 
 # JSON log lines: llama-server 2024 ({"function":..,"level":"INFO","msg":"..."}) and
 # --log-jsonl 2026 ({"type":"log","level":"INFO","msg":"..."}); Ollama slog text lines
-# (time=.. level=ERROR source=.. msg="...").
-_JSON_MSG = re.compile(r"\"msg\"\s*:\s*\"((?:[^\"\\]|\\.)*)\"")
-_JSON_LEVEL = re.compile(r"\"level\"\s*:\s*\"(\w+)\"")
-_SLOG = re.compile(r"^time=\S+\s+level=(\w+)\b.*?\bmsg=\"((?:[^\"\\]|\\.)*)\"")
+# (time=.. level=ERROR source=.. msg="..." or msg=word). The key is found with str.find and the
+# value matched where it starts, so an unclosed string costs linear time.
+_JSON_STRING_AT = re.compile(r"\s*:\s*\"((?:[^\"\\]|\\.)*)\"")
+_JSON_LEVEL = re.compile(r"\"level\"\s*:\s*\"(\w{1,16})\"")
+_SLOG_LEVEL = re.compile(r"time=\S{1,64}\s+level=(\w{1,16})\b")
+_SLOG_VALUE_AT = re.compile(r"\"((?:[^\"\\]|\\.)*)\"|(\S+)")
 _JSON_ESC = re.compile(r"\\(u[0-9a-fA-F]{4}|.)")
 _ESC_MAP = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\": "\\", '"': '"'}
+_ERROR_LEVELS = ("ERROR", "ERR", "FATAL")
 
 
 def _json_unescape(s: str) -> str:
+    if "\\" not in s:
+        return s
+
     def rep(m: re.Match[str]) -> str:
         g = m.group(1)
         if g.startswith("u") and len(g) == 5:
@@ -254,31 +360,63 @@ def _json_unescape(s: str) -> str:
     return _JSON_ESC.sub(rep, s)
 
 
-@dataclass
-class _Line:
-    text: str          # message with transport prefixes and decorations removed (what regexes see)
-    shown: str         # message with transport prefixes removed (what ``errors`` stores)
-    error_level: bool  # the carrier said this line is an error (llama.cpp "E", JSON level, ...)
-    structured: bool = False  # a JSON log line as a whole: read for fields only, not as a message
-    truncated: bool = False   # cut from an over-long line whose fields were already read whole
+def _json_msg(line: str) -> tuple[str, bool] | None:
+    """``("message", is_error)`` of a JSON log line, or None."""
+    at = line.find('"msg"')
+    if at < 0:
+        return None
+    m = _JSON_STRING_AT.match(line, at + 5)
+    if not m:
+        return None
+    lv = _JSON_LEVEL.search(line)
+    return _json_unescape(m.group(1)), bool(lv and lv.group(1).upper() in _ERROR_LEVELS)
+
+
+def _slog_msg(line: str) -> tuple[str, bool] | None:
+    """``("message", is_error)`` of an Ollama (Go slog) text line, or None."""
+    lv = _SLOG_LEVEL.match(line)
+    if not lv:
+        return None
+    at = line.find(" msg=", lv.end() - 1)
+    if at < 0:
+        return None
+    m = _SLOG_VALUE_AT.match(line, at + 5)
+    if not m:
+        return None
+    text = _json_unescape(m.group(1)) if m.group(1) is not None else m.group(2)
+    return text, lv.group(1).upper() in _ERROR_LEVELS
 
 
 def _strip_transport(line: str) -> tuple[str, bool]:
+    """The line without the prefixes its carriers added, and whether one of them said "error"."""
+    line = line.lstrip()
+    bar = "|" in line
     err = False
-    for _ in range(6):  # prefixes nest (docker + ISO + llama.cpp timestamp); bounded on purpose
-        before = line
-        line = line.lstrip()
-        m = _LLAMA_LEVEL.match(line)
-        if m and m.group(1) == "E":
-            err = True
-        for rx in _TRANSPORT:
-            line = rx.sub("", line, count=1).lstrip()
-        if line == before:
+    pos = 0
+    for _ in range(_MAX_PREFIXES):
+        # The common case, a bare llama.cpp line ("load_tensors: ...", "slot update_slots: id  0 |
+        # ..."): of the prefixes, only docker compose's ("ollama  | ") starts with a lower-case
+        # letter, and it is one word before the bar.
+        if (line[pos:pos + 1].islower() and (not bar or len(line[pos:line.find("|", pos)].split()) != 1)
+                and " - " not in line):  # (Python logging's "name - LEVEL - ")
             break
-    return line, err
+        m = _PREFIX.match(line, pos)
+        if m is None or m.end() == pos:
+            break
+        pos = m.end()
+        group = m.lastgroup  # each alternative has at most one named group
+        if group is not None:
+            value = m.group(group)
+            if group in ("bsd_pri", "pri", "sd_pri"):
+                err = err or int(value) % 8 <= 3  # emerg, alert, crit, err
+            else:
+                err = err or value in ("E", "F", "ERROR", "CRITICAL")
+    return line[pos:], err
 
 
 def _strip_decor(line: str) -> tuple[str, bool]:
+    if not line or line[0] not in _DECOR_START:
+        return line, False
     err = bool(_ERROR_WORD_PREFIX.match(line))
     for _ in range(4):
         before = line
@@ -290,14 +428,46 @@ def _strip_decor(line: str) -> tuple[str, bool]:
             line = rx.sub("", line, count=1).lstrip()
         if line == before:
             break
+        # a tag can sit in front of a timestamp: "[pod/llama-0/server] 2024-06-01T12:00:00Z stdout F"
+        line, err_t = _strip_transport(line)
+        err = err or err_t
     return line, err
 
 
+def _may_be_glued(line: str) -> bool:
+    """Whether ``_GLUE_SPLIT`` could split this line (it is slow; most lines cannot be split).
+
+    A split point is a known function name (with its colon) or prefix that starts after the
+    line's first character; ``str.find`` looks for each far faster than a regex could. (The
+    split itself also needs the right character before it: this only rules lines out.)
+    """
+    rest = line[1:]
+    if ("llama_" in rest or "llm_" in rest or "ggml_" in rest or "gguf_" in rest or "common_" in rest
+            or "load_tensors:" in rest or "print_info:" in rest or "load:" in rest or "alloc_tensor_range:" in rest
+            or "sched_reserve:" in rest or "done_getting_tensors:" in rest or "main:" in rest
+            or "system_info:" in rest or "build:" in rest):
+        return True
+    if "srv" not in rest and "slot" not in rest:
+        return False
+    for word in ("srv", "slot"):  # "srv    load_model: "
+        at = line.find(word, 1)
+        while at >= 0:
+            if _SRV_SLOT_AT.match(line, at):
+                return True
+            at = line.find(word, at + 1)
+    return False
+
+
 def _unglue(line: str) -> list[str]:
-    m = _GLUED_DOTS.match(line)
-    if m:
-        line = line[m.end():]
-    return [p for p in _GLUE_SPLIT.split(line) if p.strip()] if line else []
+    if line[:1] == ".":
+        m = _GLUED_DOTS.match(line)
+        if m:
+            line = line[m.end():]
+    if not line:
+        return []
+    if not _may_be_glued(line):
+        return [line]
+    return [p for p in _GLUE_SPLIT.split(line) if p.strip()]
 
 
 # llama.cpp's own lines are short; anything longer is a metadata array, a chat template or a JSON
@@ -306,44 +476,16 @@ def _unglue(line: str) -> list[str]:
 _MAX_LINE = 8192
 
 
-def _logical_lines(text: str) -> Iterator[_Line]:
-    text = _ANSI.sub("", text.replace("\x00", "").replace("\ufeff", "").replace("\u00a0", " "))
-    for raw in re.split(r"\r\n|\r|\n", text):
-        if not raw.strip():
-            continue
-        truncated = len(raw) > _MAX_LINE
-        if truncated:
-            yield _Line(raw, raw, False, structured=True)
-            raw = raw[:_MAX_LINE]
-        line, err_t = _strip_transport(raw)
-        extra: list[tuple[str, bool]] = []
-        stripped = line.lstrip()
-        if stripped.startswith("{") and '"msg"' in stripped:
-            m = _JSON_MSG.search(stripped)
-            lv = _JSON_LEVEL.search(stripped)
-            if m:
-                is_err = bool(lv and lv.group(1).upper() in ("ERROR", "ERR", "FATAL"))
-                extra = [(s, is_err) for s in _json_unescape(m.group(1)).split("\n")]
-        else:
-            m = _SLOG.match(stripped)
-            if m:
-                extra = [(s, m.group(1).upper() in ("ERROR", "ERR", "FATAL"))
-                         for s in _json_unescape(m.group(2)).split("\n")]
-        if extra:
-            # the JSON line itself is still offered (for "timings" / "build" fields)
-            if not truncated:
-                yield _Line(stripped, stripped, False, structured=True)
-            pieces = extra
-        else:
-            pieces = [(line, err_t)]
-        for piece, err in pieces:
-            shown_piece, err2 = _strip_transport(piece) if extra else (piece, err)
-            for part in _unglue(shown_piece):
-                shown = part.strip()
-                msg, err3 = _strip_decor(shown)
-                msg = msg.strip()
-                if msg:
-                    yield _Line(msg, shown, err or err2 or err3, truncated=truncated)
+def _lines(text: str) -> list[str]:
+    """Physical lines, any line ending, with the bytes no log line means removed."""
+    if "\x00" in text:
+        text = text.replace("\x00", "")
+    text = text.replace("\ufeff", "").replace("\u00a0", " ")
+    if "\x1b" in text:
+        text = _ANSI.sub("", text)
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text.split("\n")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,11 +598,11 @@ _RX_N_CTX_SLOT = re.compile(r"\bn_ctx_slot\s*=\s*(\d+)")
 # "%s: using device %s (%s) - %zu MiB free"       llama_load_model_from_file (late 2024),
 #   llama_model_load_from_file_impl (2025)
 # "%s: using device %s (%s) (%s) - %zu MiB free"  llama_model_load_from_file_impl (2026, + device id)
-_RX_USING_DEVICE = re.compile(r"\busing device\s+(\S+)\s+\(.*\)\s*-\s*(\d+)\s*MiB free")
+_RX_USING_DEVICE = re.compile(r"\busing device\s+(\S+)\s+\([^\n]{0,256}\)\s*-\s*(\d+)\s*MiB free")
 
 # "%s: | %s | %s = %s + (%s = %s + %s + %s) + %s |"  llama_memory_breakdown_print (late 2025) /
 #   common_memory_breakdown_print (2026): "|   - CUDA0 (RTX 4090)   | total = free + (self = ...)"
-_RX_BREAKDOWN = re.compile(r"memory_breakdown_print:\s*\|\s*-\s*(\S+)\s+\(.*?\)\s*\|\s*(\d+)\s*=\s*(\d+)\s*\+\s*\(")
+_RX_BREAKDOWN = re.compile(r"memory_breakdown_print:\s*\|\s*-\s*(\S+)\s+\([^\n]{0,256}?\)\s*\|\s*(\d+)\s*=\s*(\d+)\s*\+\s*\(")
 
 # "%s: prompt eval time = %10.2f ms / %5d tokens (%8.2f ms per token, %8.2f tokens per second)"
 # "%s:        eval time = %10.2f ms / %5d runs   (%8.2f ms per token, %8.2f tokens per second)"
@@ -481,16 +623,18 @@ _RX_JSON_TG = re.compile(r"\"predicted_per_second\"\s*:\s*(" + _JSON_NUM + r")")
 # "%s: build = %d (%s)"                main / server (2023-early 2024)
 # "%s: build %d (%s) with %s for %s%s" common_params_print_info (2026)
 # "llama.cpp build %d" (tools quoting the build number)
-_RX_BUILD = re.compile(r"(?<![\w.])build\s*[:=]?\s*(\d+)\s*\(\s*([0-9a-fA-F]{4,40})\s*\)")
+_RX_BUILD = re.compile(r"(?<![\w.])build\s*(?:[:=]\s*)?(\d+)\s*\(\s*([0-9a-fA-F]{4,40})\s*\)")
 # "\nbuild: %s (%d)\n"  llama-bench footer (commit first, then number)
 _RX_BUILD_BENCH = re.compile(r"^build:\s*([0-9a-f]{6,40})\s*\(\s*(\d+)\s*\)\s*$")
 # "version: %d (%s)" (--version, 2024-2025); "version: %s (build %d, commit %s)" (2026)
 _RX_VERSION = re.compile(r"^version:\s*(\d+)\s*\(\s*([0-9a-f]{4,40})\s*\)")
 _RX_VERSION_2026 = re.compile(r"\(build\s+(\d+),\s*commit\s+([0-9a-f]{4,40})\)")
-_RX_BUILD_LOOSE = re.compile(r"\bllama\.cpp\s+build\s*[:#=]?\s*(\d+)\b", re.IGNORECASE)
+_RX_BUILD_LOOSE = re.compile(r"\bllama\.cpp\s+build\s*(?:[:#=]\s*)?(\d+)\b", re.IGNORECASE)
 # llama-server 2024 JSON "build info" line: {"build":2750,"commit":"abc1234",...}
 _RX_JSON_BUILD = re.compile(r"\"build\"\s*:\s*(\d+)")
 _RX_JSON_COMMIT = re.compile(r"\"commit\"\s*:\s*\"([0-9a-fA-F]{4,40})\"")
+# 2024 llama-server text log: "INFO [  main] build info | tid=\"1\" timestamp=1717243200 build=3046 commit=\"5921b8f0\""
+_RX_KV_BUILD = re.compile(r"\bbuild=(\d+)\s+commit=\"?([0-9a-fA-F]{4,40})\b")
 
 # ---- allocation failures (oom) -----------------------------------------------------------------
 _OOM = re.compile("|".join([
@@ -512,7 +656,7 @@ _OOM = re.compile("|".join([
     #   (2024-2026, also "RPC0[host:port]" buffers); "%s: error: failed to allocate buffer, size =
     #   %8.2f MiB" (Metal 2024-2026); "failed to allocate '%-16s' buffer" (Metal 2023);
     #   "failed to allocate compute buffers" / "failed to allocate buffer for kv cache" (llama)
-    r"failed to allocate\b.*\bbuffers?\b",
+    r"failed to allocate\b.{0,160}?\bbuffers?\b",
     # "%s: failed to allocate Metal buffer of %zu bytes (out of memory)" (2026)
     r"failed to allocate Metal buffer",
     # "unable to allocate %s buffer" (llama-model.cpp, error loading model, 2024-2026),
@@ -547,9 +691,7 @@ _NON_FATAL = re.compile(r"pinned memory|falling back|skipping|async uploads|\bwa
 _ERROR_LINE = re.compile("|".join([
     # "%s:%d: GGML_ASSERT(%s) failed" / GGML_ABORT / ggml_abort (ggml.c, 2024-2026)
     r"GGML_ASSERT\b", r"GGML_ABORT\b", r"\bggml_abort\b",
-    # "func: ... error ..." / "func: ... failed ..." (LLAMA_LOG_ERROR messages: "error loading
-    # model: %s", "failed to load model", "failed to initialize the context: %s", ...)
-    r"(?i:^[\w.\[\]<>~:/ -]{1,80}?:\s.*\b(?:error|failed|failure|fatal)\b)",
+    # (and "func: ... error ..." / "func: ... failed ...": _FUNC_THEN / _FAILURE_WORD below)
     # bare "error: ..." lines (Metal "error: Caused GPU Timeout Error ...", common "error: ...")
     r"^(?:error|fatal error|FATAL)\b",
     # "ERR [ load_model] unable to load model | ..." (2024 server text log, ik_llama.cpp)
@@ -561,6 +703,11 @@ _ERROR_LINE = re.compile("|".join([
     # "CUDA error: %s" / "ROCm error" / "Vulkan error" (device errors other than OOM)
     r"\b(?:CUDA|ROCm|HIP|MUSA|SYCL|Vulkan|Metal)\s+error\b",
 ]))
+# "func: ... error ..." / "func: ... failed ..." (LLAMA_LOG_ERROR messages: "error loading model: %s",
+# "failed to load model", "failed to initialize the context: %s", ...): a "func: " prefix, then one of
+# the words anywhere after it. Two regexes, so a long line is scanned once, not once per colon.
+_FUNC_THEN = re.compile(r"[\w.\[\]<>~:/ -]{1,80}?:\s")
+_FAILURE_WORD = re.compile(r"\b(?:error|failed|failure|fatal)\b", re.IGNORECASE)
 # Metadata dumps can contain any word (token texts, chat templates): never failure lines.
 _METADATA = re.compile(r"^(?:print_info|llm_load_print_meta|llama_model_loader:\s*-\s*(?:kv|type)\b|"
                        r"load:\s|llm_load_vocab|init_tokenizer)")
@@ -570,22 +717,11 @@ _METADATA = re.compile(r"^(?:print_info|llm_load_print_meta|llama_model_loader:\
 # The parser
 # ----------------------------------------------------------------------------------------------
 
-class _Pass:
-    """Model-scoped state of one load pass."""
-
-    def __init__(self) -> None:
-        self.layers_offloaded: int | None = None
-        self.layers_total: int | None = None
-        self.model_buffers: dict[str, int] = {}
-        self.assignments: dict[int, str] = {}
-        self.assign_closed = False   # a load line followed the assignment block (it is complete)
-        self.n_layer: int | None = None
-
-
 class _Ctx:
     """Context-scoped state of one context creation."""
 
     def __init__(self) -> None:
+        self.constructing = False   # "constructing llama_context" was printed
         self.kv_buffers: dict[str, int] = {}
         self.compute_buffers: dict[str, int] = {}
         self.kv_sizes: list[int] = []
@@ -602,6 +738,10 @@ class _Ctx:
     def has_data(self) -> bool:
         return bool(self.kv_buffers or self.compute_buffers or self.kv_sizes)
 
+    def reached(self) -> bool:
+        """The load got as far as creating a context (whatever that context then did)."""
+        return self.constructing or self.has_data() or self.n_ctx_best() is not None
+
     def n_ctx_best(self) -> int | None:
         # the context line itself, else what the KV cache was sized to, else per-seq size (one
         # sequence unless the log said otherwise), else the ctx_size common printed
@@ -617,20 +757,87 @@ class _Ctx:
         return None
 
 
+class _Pass:
+    """Model-scoped state of one load pass, and the last context created on it."""
+
+    def __init__(self) -> None:
+        self.started = False         # the loader's first line was printed
+        self.layers_offloaded: int | None = None
+        self.layers_total: int | None = None
+        self.model_buffers: dict[str, int] = {}
+        self.assignments: dict[int, str] = {}
+        self.assign_closed = False   # a load line followed the assignment block (it is complete)
+        self.n_layer: int | None = None
+        self.ctx = _Ctx()
+
+    def has_data(self) -> bool:
+        return bool(self.model_buffers or self.layers_offloaded is not None or self.assignments)
+
+    def is_load(self) -> bool:
+        return self.started or self.has_data() or self.ctx.reached()
+
+    def layers(self) -> tuple[int | None, int | None]:
+        offloaded, total = self.layers_offloaded, self.layers_total
+        if offloaded is None and self.assignments:
+            # every "layer N assigned to device X" line of the pass (0..n_layer, the last one being
+            # the output layer) -> count; only when the block is complete, else a cut log would
+            # undercount
+            idx = sorted(self.assignments)
+            # (an MTP/nextn model lists more than n_layer + 1; fewer means the listing was cut)
+            complete = (idx == list(range(len(idx)))
+                        and (self.assign_closed or (self.n_layer is not None and len(idx) == self.n_layer + 1))
+                        and (self.n_layer is None or len(idx) >= self.n_layer + 1))
+            if complete:
+                total = len(idx)
+                offloaded = sum(1 for d in self.assignments.values() if not d.upper().startswith("CPU"))
+        return offloaded, total
+
+    def to_load(self) -> "ModelLoad":
+        c = self.ctx
+        offloaded, total = self.layers()
+        kv_size = sum(c.kv_sizes) if c.kv_sizes else (sum(c.kv_buffers.values()) if c.kv_buffers else None)
+        return ModelLoad(
+            layers_offloaded=offloaded,
+            layers_total=total,
+            model_buffers=dict(self.model_buffers),
+            kv_buffers=dict(c.kv_buffers),
+            compute_buffers=dict(c.compute_buffers),
+            kv_size=kv_size,
+            type_k=c.type_k,
+            type_v=c.type_v,
+            n_ctx=c.n_ctx_best(),
+        )
+
+
 # A runaway log can repeat failures without end: keep the first and the last ones (the cause and
 # the way the process died), up to this many lines in all.
 _MAX_ERRORS = 200
+# ... and a runaway log of model loads (a server reloading on every request) keeps its first and last.
+_MAX_LOADS = 1000
 
 
 def _add(d: dict[str, int], key: str, value: int | None) -> None:
     if value is not None:
         d[key] = d.get(key, 0) + value
+        if d[key] > _MAX_BYTES:  # a thousand absurd lines do not add up to an absurd figure either
+            del d[key]
+
+
+def _maybe_failure(low: str) -> bool:
+    """Whether a (lower-cased) message could be an out-of-memory or failure line: every pattern in
+    _OOM, _OOM_GENERIC, _ERROR_LINE and _FAILURE_WORD contains one of these words. A cheap test
+    (``in`` is far faster than a regex search) that keeps the regexes off most lines."""
+    return ("err" in low or "fail" in low or "fatal" in low or "abort" in low or "assert" in low or "alloc" in low
+            or "out of memory" in low or "insufficient memory" in low or "memory pool" in low or "terminate" in low
+            or "what()" in low or "panic" in low or "segmentation" in low or "illegal" in low or "floating point" in low
+            or "()" in low or "corrupt" in low or "cl_out" in low)
 
 
 class _Parser:
     def __init__(self) -> None:
         self.p = _Pass()
-        self.c = _Ctx()
+        self.c = self.p.ctx
+        self.passes: list[_Pass] = [self.p]
         self.oom = False
         self.errors: list[str] = []
         self.devices: dict[str, int] = {}
@@ -642,63 +849,142 @@ class _Parser:
     # -- pass bookkeeping --
     def _new_pass(self) -> None:
         self.p = _Pass()
-        self.c = _Ctx()
+        self.c = self.p.ctx
+        self.passes.append(self.p)
+        if len(self.passes) > _MAX_LOADS:
+            del self.passes[_MAX_LOADS // 2]
 
     def _new_ctx(self) -> None:
-        self.c = _Ctx()
+        self.c = self.p.ctx = _Ctx()
 
-    def _pass_has_data(self) -> bool:
-        return bool(self.p.model_buffers or self.p.layers_offloaded is not None or self.p.assignments)
+    # -- physical lines --
+    def feed_text(self, text: str) -> None:
+        for raw in _lines(text):
+            if not raw or raw.isspace():
+                continue
+            try:
+                self.feed_line(raw)
+            except Exception:  # noqa: BLE001 - one odd line must not cost the rest of the log
+                continue
+
+    def feed_line(self, raw: str) -> None:
+        truncated = len(raw) > _MAX_LINE
+        if truncated:
+            self._structured(raw)
+            raw = raw[:_MAX_LINE]
+        line, err_t = _strip_transport(raw)
+        c0 = line[:1]
+        found = None
+        if c0 == "{" and '"msg"' in line:
+            found = _json_msg(line)
+        elif c0 == "t" and line.startswith("time="):
+            found = _slog_msg(line)
+        if found is not None:
+            # the JSON line itself is still read (for "timings" / "build" fields)
+            if not truncated:
+                self._structured(line)
+            text, err_j = found
+            for piece in text.split("\n"):
+                piece, err_p = _strip_transport(piece)
+                self._pieces(piece, err_j or err_p, truncated)
+        elif c0 != "." and not _may_be_glued(line):
+            # one message, nothing to split: the common case, kept free of calls (this loop is
+            # most of the time spent on a long log)
+            shown = line.rstrip()
+            if c0 in _DECOR_START:
+                msg, err_d = _strip_decor(shown)
+                msg = msg.strip()
+            else:
+                msg, err_d = shown, False
+            if msg:
+                self.feed(msg, shown, err_t or err_d, truncated)
+        else:
+            self._pieces(line, err_t, truncated)
+
+    def _pieces(self, line: str, err: bool, truncated: bool) -> None:
+        if not line:
+            return
+        for part in _unglue(line):
+            shown = part.strip()
+            msg, err_d = _strip_decor(shown)
+            msg = msg.strip()
+            if msg:
+                self.feed(msg, shown, err or err_d, truncated)
 
     # -- one logical line --
-    def feed(self, ln: _Line) -> None:
-        t = ln.text
-        if ln.structured:
+    def _structured(self, t: str) -> None:
+        """A JSON log line as a whole (or an over-long line): read for fields only, not as a message."""
+        low = t.lower()
+        if self.build is None and ("build" in low or "version" in low):
             self._build(t)
+        if "eval" in low or "per_second" in t:
             self._timings(t)
-            return
-        self._failures(ln)
-        if not ln.truncated:  # numbers at the cut could be cut too; the whole line was read already
-            if self._build(t):
-                return
-            if self._timings(t):
-                return
-        if self._model(t):
-            return
-        self._context(t)
-        self._memory(t)
 
-    def _failures(self, ln: _Line) -> None:
-        t = ln.text
+    def feed(self, t: str, shown: str, error_level: bool = False, truncated: bool = False) -> None:
+        """One message: ``t`` with every prefix removed, ``shown`` as ``errors`` stores it.
+
+        Each group of regexes runs only when its words are in the line (see the gates below):
+        most lines of a long log are none of these, and ``in`` costs a fraction of a search.
+        """
+        low = t.lower()
+        if error_level or _maybe_failure(low):
+            self._failures(t, low, shown, error_level)
+        if not truncated:  # numbers at the cut could be cut too; the whole line was read already
+            if self.build is None and ("build" in low or "version" in low) and self._build(t):
+                return
+            if ("eval" in low or "per_second" in t) and self._timings(t):
+                return
+        if ("meta" in t or "offloaded" in t or "assigned" in t or "n_layer" in t or "buffer" in t or "VRAM" in t
+                or "required" in t or "system memory" in t or "load_tensors" in t) and self._model(t):
+            return
+        if ("n_ctx" in t or "buffer" in t or "VRAM" in t or "self" in low or "kv_cache" in t or "kv_size" in t
+                or "constructing" in t or "n_seq_max" in t or "ctx_size" in t):
+            self._context(t)
+        if "free" in t or "breakdown" in t:
+            self._memory(t)
+
+    def _failures(self, t: str, low: str, shown: str, error_level: bool) -> None:
         if _METADATA.match(t):
             return
-        non_fatal = bool(_NON_FATAL.search(t))
-        is_oom = not non_fatal and (bool(_OOM.search(t)) or (bool(_OOM_GENERIC.search(t)) and bool(_LOGLIKE.search(t))))
+        # (every _OOM / _OOM_GENERIC pattern holds one of these words: the searches are costly)
+        is_oom = (("alloc" in low or "memory" in low or "mmap failed" in low or "cl_out" in low)
+                  and (bool(_OOM.search(t)) or (bool(_OOM_GENERIC.search(t)) and bool(_LOGLIKE.search(t)))))
+        if not (is_oom or error_level or _ERROR_LINE.search(t) or self._func_failure(t)):
+            return
+        if _NON_FATAL.search(t):
+            return
         if is_oom:
             self.oom = True
-        if is_oom or (not non_fatal and (ln.error_level or _ERROR_LINE.search(t))):
-            # a failure repeated line after line (a decode loop) is one failure
-            if not self.errors or self.errors[-1] != ln.shown:
-                self.errors.append(ln.shown)
+        # a failure repeated line after line (a decode loop) is one failure
+        if not self.errors or self.errors[-1] != shown:
+            self.errors.append(shown)
+            if len(self.errors) > 2 * _MAX_ERRORS:
+                # keep the first and the latest (the cause and how it ended), in bounded memory
+                del self.errors[_MAX_ERRORS // 2 : len(self.errors) - _MAX_ERRORS // 2]
+
+    @staticmethod
+    def _func_failure(t: str) -> bool:
+        m = _FUNC_THEN.match(t)
+        return bool(m and _FAILURE_WORD.search(t, m.end()))
 
     def _build(self, t: str) -> bool:
         if self.build is not None:
             return False
         m = _RX_BUILD_BENCH.match(t)
-        if m:
+        if m and _int(m.group(2)) is not None:
             self.build = f"{m.group(2)} ({m.group(1)})"
             return True
-        m = _RX_VERSION.match(t) or _RX_VERSION_2026.search(t) or _RX_BUILD.search(t)
-        if m:
+        m = _RX_VERSION.match(t) or _RX_VERSION_2026.search(t) or _RX_BUILD.search(t) or _RX_KV_BUILD.search(t)
+        if m and _int(m.group(1)) is not None:
             self.build = f"{m.group(1)} ({m.group(2)})"
             return True
         m = _RX_BUILD_LOOSE.search(t)
-        if m:
+        if m and _int(m.group(1)) is not None:
             self.build = m.group(1)
             return True
         if t.startswith("{"):
             m = _RX_JSON_BUILD.search(t)
-            if m:
+            if m and _int(m.group(1)) is not None:
                 c = _RX_JSON_COMMIT.search(t)
                 self.build = f"{m.group(1)} ({c.group(1)})" if c else m.group(1)
         return False
@@ -707,11 +993,11 @@ class _Parser:
         m = _RX_TIMING.search(t)
         if m:
             kind = m.group(1).lower()
-            tps = _float(m.group(4))
+            tps = _rate(m.group(4))
             if tps is None:
                 # "inf"/"nan" printed for a zero-time run: derive from ms and count when possible
-                ms, n = _float(m.group(2)), int(m.group(3))
-                tps = (1e3 * n / ms) if ms else None
+                ms, n = _float(m.group(2)), _int(m.group(3))
+                tps = _rate(str(1e3 * n / ms)) if ms and n is not None else None
             if kind == "prompt eval":
                 self.prompt_tps = tps
             else:
@@ -720,33 +1006,39 @@ class _Parser:
         found = False
         m = _RX_JSON_PP.search(t)
         if m:
-            self.prompt_tps = _float(m.group(1))
+            self.prompt_tps = _rate(m.group(1))
             found = True
         m = _RX_JSON_TG.search(t)
         if m:
-            self.eval_tps = _float(m.group(1))
+            self.eval_tps = _rate(m.group(1))
             found = True
         return found
 
     def _model(self, t: str) -> bool:
         p = self.p
         if _RX_LOAD_START.match(t):
-            if self._pass_has_data() or self.c.has_data():
+            if p.started or p.has_data() or self.c.reached():
                 self._new_pass()
+            self.p.started = True
             return True
         m = _RX_OFFLOADED.search(t)
         if m:
+            offloaded, total = _int(m.group(1)), _int(m.group(2))
+            if offloaded is None or total is None:
+                return True
             # a second offload summary in the same pass, or one after a context was built,
             # means a new load pass (fit dry run, then the real load) that printed no loader line
             if p.layers_offloaded is not None or self.c.has_data():
                 self._new_pass()
                 p = self.p
-            p.layers_offloaded, p.layers_total = int(m.group(1)), int(m.group(2))
+            p.layers_offloaded, p.layers_total = offloaded, total
             p.assign_closed = p.assign_closed or bool(p.assignments)
             return True
         m = _RX_LAYER_ASSIGN.match(t)
         if m:
-            il = int(m.group(1))
+            il = _int(m.group(1))
+            if il is None or il > 1 << 20:
+                return True
             if il in p.assignments or self.c.has_data():
                 self._new_pass()
                 p = self.p
@@ -754,7 +1046,7 @@ class _Parser:
             return True
         m = _RX_N_LAYER.match(t)
         if m:
-            p.n_layer = int(m.group(1))
+            p.n_layer = _int(m.group(1))
             return True
         for rx, label in ((_RX_MODEL_BUF, None), (_RX_VRAM_USED, "VRAM used"),
                           (_RX_MEM_REQUIRED, "mem required (host)"), (_RX_SYS_MEM, "system memory used")):
@@ -790,13 +1082,14 @@ class _Parser:
         c = self.c
         if _RX_CTX_START.match(t):
             self._new_ctx()
+            self.c.constructing = True
             return
         m = _RX_N_CTX.match(t)
         if m:
             if c.has_data():
                 self._new_ctx()
                 c = self.c
-            c.n_ctx = int(m.group(2))
+            c.n_ctx = _int(m.group(2))
             return
         m = _RX_KV_BUF.match(t)
         if m:
@@ -823,14 +1116,17 @@ class _Parser:
             size = _bytes(m.group(1), m.group(2))
             if size is not None:
                 c.kv_sizes.append(size)
-            if m.group(3):
-                c.cells = max(c.cells or 0, int(m.group(3)) * int(m.group(4) or 1))
+            cells, streams = _int(m.group(3)), _int(m.group(4) or "1")
+            if cells is not None and streams is not None:
+                c.cells = max(c.cells or 0, cells * streams)
             c.type_k = m.group(5) or c.type_k
             c.type_v = m.group(6) or c.type_v
             return
         m = _RX_KV_INIT.match(t)
         if m:
-            c.cells = max(c.cells or 0, int(m.group(1)))
+            cells = _int(m.group(1))
+            if cells is not None:
+                c.cells = max(c.cells or 0, cells)
             c.type_k, c.type_v = m.group(2), m.group(3)
             return
         m = _RX_COMPUTE.match(t)
@@ -851,72 +1147,69 @@ class _Parser:
             return
         m = _RX_N_SEQ_MAX.match(t)
         if m:
-            c.n_seq_max = int(m.group(1))
+            c.n_seq_max = _int(m.group(1))
             return
-        m = _RX_N_CTX_SEQ.search(t)
+        m = _RX_N_CTX_SEQ.search(t) if "seq" in t else None
         if m:
-            c.n_ctx_seq = int(m.group(1) or m.group(2))
+            c.n_ctx_seq = _int(m.group(1) or m.group(2))
             return
         m = _RX_N_CTX_ANY.match(t)
         if m:
-            c.n_ctx_any = int(m.group(1))
+            c.n_ctx_any = _int(m.group(1))
             return
-        m = _RX_CTX_SIZE.search(t)
+        m = _RX_CTX_SIZE.search(t) if "ctx_size" in t else None
         if m:
-            c.ctx_size = int(m.group(1))
+            c.ctx_size = _int(m.group(1))
             return
-        m = _RX_N_CTX_SLOT.search(t)
+        m = _RX_N_CTX_SLOT.search(t) if "n_ctx_slot" in t else None
         if m:
-            c.n_ctx_slot = int(m.group(1))
+            c.n_ctx_slot = _int(m.group(1))
 
     def _memory(self, t: str) -> None:
         m = _RX_USING_DEVICE.search(t)
         if m:
             # free memory right before the load: the figure a tuner wants
-            self.devices[m.group(1)] = int(m.group(2)) * MiB
+            free = _int(m.group(2))
+            if free is not None:
+                self.devices[m.group(1)] = free * MiB
             return
         m = _RX_BREAKDOWN.search(t)
         if m:
             # the exit-time table: used only for devices the load lines did not report
-            self.breakdown_free[m.group(1)] = int(m.group(3)) * MiB
+            free = _int(m.group(3))
+            if free is not None:
+                self.breakdown_free[m.group(1)] = free * MiB
 
     # -- result --
     def report(self) -> LoadReport:
-        p, c = self.p, self.c
-        offloaded, total = p.layers_offloaded, p.layers_total
-        if offloaded is None and p.assignments:
-            # every "layer N assigned to device X" line of the pass (0..n_layer, the last one being
-            # the output layer) -> count; only when the block is complete, else a cut log would
-            # undercount
-            idx = sorted(p.assignments)
-            # (an MTP/nextn model lists more than n_layer + 1; fewer means the listing was cut)
-            complete = (idx == list(range(len(idx)))
-                        and (p.assign_closed or (p.n_layer is not None and len(idx) == p.n_layer + 1))
-                        and (p.n_layer is None or len(idx) >= p.n_layer + 1))
-            if complete:
-                total = len(idx)
-                offloaded = sum(1 for d in p.assignments.values() if not d.upper().startswith("CPU"))
+        loads = [p for p in self.passes if p.is_load()]
+        # the top-level fields: the last load that got as far as a context (a second model whose
+        # load was cut off, or failed, does not hide the first one's context), else the last load
+        chosen = next((p for p in reversed(loads) if p.ctx.reached()), loads[-1] if loads else self.p)
+        top = chosen.to_load()
         devices = dict(self.devices)
         for k, v in self.breakdown_free.items():
             devices.setdefault(k, v)
-        kv_size = sum(c.kv_sizes) if c.kv_sizes else (sum(c.kv_buffers.values()) if c.kv_buffers else None)
+        errors = self.errors
+        if len(errors) > _MAX_ERRORS:
+            errors = errors[: _MAX_ERRORS // 2] + errors[-_MAX_ERRORS // 2:]
         return LoadReport(
-            layers_offloaded=offloaded,
-            layers_total=total,
+            layers_offloaded=top.layers_offloaded,
+            layers_total=top.layers_total,
             oom=self.oom,
-            model_buffers=dict(p.model_buffers),
-            kv_buffers=dict(c.kv_buffers),
-            compute_buffers=dict(c.compute_buffers),
-            kv_size=kv_size,
-            type_k=c.type_k,
-            type_v=c.type_v,
-            n_ctx=c.n_ctx_best(),
+            model_buffers=top.model_buffers,
+            kv_buffers=top.kv_buffers,
+            compute_buffers=top.compute_buffers,
+            kv_size=top.kv_size,
+            type_k=top.type_k,
+            type_v=top.type_v,
+            n_ctx=top.n_ctx,
             devices=devices,
             prompt_tps=self.prompt_tps,
             eval_tps=self.eval_tps,
             build=self.build,
-            errors=tuple(self.errors if len(self.errors) <= _MAX_ERRORS
-                         else self.errors[: _MAX_ERRORS // 2] + self.errors[-_MAX_ERRORS // 2:]),
+            errors=tuple(errors),
+            loads=tuple(p.to_load() for p in loads),
         )
 
 
@@ -930,16 +1223,7 @@ def parse_log(text: str) -> LoadReport:
         return LoadReport()
     parser = _Parser()
     try:
-        lines = _logical_lines(text)
-        while True:
-            try:
-                ln = next(lines)
-            except StopIteration:
-                break
-            try:
-                parser.feed(ln)
-            except Exception:  # noqa: BLE001 - one odd line must not cost the rest of the log
-                continue
+        parser.feed_text(text)
         return parser.report()
     except Exception:  # noqa: BLE001 - the promise is "never raises"
         return LoadReport()
