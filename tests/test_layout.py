@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "tuner"
 
 # Lowest first. A module may import its own stage and the stages before it, never one after.
-STAGES = ["errors", "paths", "model", "engine", "machine", "profile", "search", "report", "cli"]
+STAGES = ["errors", "limits", "paths", "model", "engine", "machine", "profile", "search", "report", "cli"]
 # Modules outside the stages: the package's front door and the public test helpers sit on top.
 TOP = {"tuner", "tuner.__main__", "tuner.testing"}
 

@@ -24,13 +24,27 @@ def test_defaults_are_valid():
         ({"n_ubatch": 1024, "n_batch": 512}, "settings.n_ubatch: must not exceed n_batch (512), got 1024"),
         ({"flash_attn": "yes"}, "settings.flash_attn: expected one of auto, off, on, got 'yes'"),
         ({"tensor_overrides": ["blk.(0"]}, "settings.tensor_overrides[0]: not a valid regular expression: missing ), unterminated subpattern at position 4"),
-        ({"rpc_servers": ["localhost"]}, "settings.rpc_servers[0]: expected host:port, got 'localhost'"),
-        ({"n_threads": 0}, "settings.n_threads: expected null (llama.cpp's default) or a count >= 1, got 0"),
+        ({"rpc_servers": ["localhost"]}, "settings.rpc_servers[0]: expected host:port (port 1-65535), got 'localhost'"),
+        ({"n_threads": 0}, "settings.n_threads: expected null (llama.cpp's default) or a count from 1 to 16384, got 0"),
+        # hostile values (tuner.limits): absurd sizes, names that break a shell line, slow regexes
+        ({"n_ctx": 2 ** 62}, "settings.n_ctx: expected at most 16777216, got 4611686018427387904"),
+        ({"n_gpu_layers": 10 ** 400}, "settings.n_gpu_layers: expected at most 65536, got a number of 401 digits"),
+        ({"n_batch": 2 ** 40}, "settings.n_batch: expected at most 16777216, got 1099511627776"),
+        ({"n_threads": 10 ** 6}, "settings.n_threads: expected null (llama.cpp's default) or a count from 1 to 16384, got 1000000"),
+        ({"tensor_split": [1, float("nan")]}, "settings.tensor_split[1]: expected a proportion >= 0, got nan"),
+        ({"tensor_split": [1, float("inf")]}, "settings.tensor_split[1]: expected a proportion >= 0, got inf"),
+        ({"rpc_servers": ["127.0.0.1:99999"]}, "settings.rpc_servers[0]: expected host:port (port 1-65535), got '127.0.0.1:99999'"),
+        ({"rpc_servers": ["127.0.0.1:50052\n"]}, "settings.rpc_servers[0]: expected host:port (port 1-65535), got '127.0.0.1:50052\\n'"),
+        ({"model_path": "m.gguf\ntouch /tmp/x"}, "settings.model_path: the path holds a control character (\\n); rename it"),
+        ({"tensor_overrides": ["(a+)+$"]}, "settings.tensor_overrides[0]: a repeated group (+ after a group) could make matching "
+                                           "take minutes or forever (llama.cpp matches it against every tensor name by "
+                                           "backtracking); write the cases out instead, e.g. blk\\.(0|1|2)\\.ffn_.* or blk\\.\\d+\\.ffn_up"),
+        ({"tensor_overrides": ["x" * 300]}, "settings.tensor_overrides[0]: a pattern of 300 characters (at most 256)"),
     ],
 )
 def test_invalid_settings_name_the_field(changes, message):
     with pytest.raises(SettingsError) as info:
-        Settings(model_path="m.gguf", **changes)
+        Settings(**{"model_path": "m.gguf", **changes})
     assert str(info.value) == message
 
 

@@ -16,6 +16,7 @@
     ├── QuantizeError              a quantization variant cannot be made (requantizing, no disk, ...)
     ├── MachineSpecError           a described machine (--device, --ram, --machine FILE) cannot be read
     ├── LogUnreadableError         a llama.cpp log holds nothing that says what happened at load
+    ├── FileWriteError             a file the tuner writes cannot be written (read-only, full disk)
     └── ProfileError               a profile cannot be used
         ├── ProfileValidationError a field is wrong (dotted path in the message)
         ├── SchemaVersionError     a profile of an unknown major schema version
@@ -93,6 +94,16 @@ class QualityError(TunerError):
 class QuantizeError(TunerError):
     """A quantization variant cannot be made: an unknown type, an already-quantized source without
     ``allow_requantize``, too little free disk, or llama.cpp's quantizer failed."""
+
+
+class FileWriteError(TunerError):
+    """A file the tuner writes (a profile, a bundle, the study database's folder) cannot be written:
+    a read-only or full disk, a folder in the way. ``path`` and ``reason`` (the system's words)."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot write {self.path}: {reason}")
 
 
 class ProfileError(TunerError):

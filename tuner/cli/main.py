@@ -15,7 +15,7 @@ from typing import Any, Callable
 import click
 
 from .. import __version__
-from ..errors import TunerError
+from ..errors import SettingsError, TunerError
 
 MiB = 1 << 20
 
@@ -471,7 +471,8 @@ class _Progress:
 @click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... used as devices.")
 @click.option("--storage", default=None, help="Optuna storage URL (default: SQLite in the data folder; PostgreSQL for a team).")
 @click.option("--study", "study_name", default=None, help="Study name (default: from machine and model fingerprints).")
-@click.option("--out", type=click.Path(), default=None, help="Write the profile here (default: the data folder's profiles).")
+@click.option("--out", type=click.Path(), default=None,
+              help="Write the profile to this file, or into this folder (default: the data folder's profiles).")
 @click.option("--trial-timeout", type=float, default=300, show_default=True, help="Kill a trial after this many seconds.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress; print only the profile path.")
@@ -512,15 +513,28 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
 
     for path in (model, *variants):
         check_path(path)  # a URL: tune runs the model, so it must be on disk
-    result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
-                  min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
-                  vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
-                  rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
-                  on_event=_Progress(quiet or as_json))
+    if vram_margin < 0:
+        raise SettingsError("--vram-margin", f"expected MiB >= 0, got {vram_margin}")
+    try:
+        result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
+                      min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
+                      vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
+                      rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
+                      on_event=_Progress(quiet or as_json))
+    except SettingsError as exc:
+        # the API names its arguments (time_budget); the command line names its options
+        option = {"time_budget": "--time-budget", "trial_timeout": "--trial-timeout", "min_ctx": "--min-ctx",
+                  "depth": "--depth", "n_prompt": "--n-prompt", "n_gen": "--n-gen", "repetitions": "--repetitions",
+                  "trials": "--trials", "objective": "--objective"}.get(exc.field)
+        if option is None:
+            raise
+        raise SettingsError(option, str(exc)[len(exc.field) + 2:]) from None
     if as_json or quiet:
-        click.echo(json.dumps(result.to_dict(), indent=2, default=str) if as_json else str(result.profile_path))
-        if result.interrupted:
-            sys.exit(130)
+        if as_json:
+            click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+        elif result.profile_path:
+            click.echo(str(result.profile_path))
+        _tune_exit(result)
         return
     best = result.best
     tg, pp = best.get("tg") or {}, best.get("pp") or {}
@@ -538,10 +552,23 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     c = result.counts
     click.echo(f"trials: {c['run']} run, {c['pruned']} not launched (invalid, predicted not to fit, or past a learned "
                f"out-of-memory boundary), {c['oom']} out of memory, {c['failed']} failed")
-    click.echo(f"profile: {result.profile_path}")
-    click.echo(f"llama-server flags: {result.profile.settings.command_line('llama-server')}")
+    if result.profile_path:
+        click.echo(f"profile: {result.profile_path}")
+    from ..engine.settings import Settings
+
+    click.echo(f"llama-server flags: {Settings.from_dict(best['settings']).command_line('llama-server')}")
     if result.interrupted:
         click.echo("interrupted: run the same command again to resume the study", err=True)
+    _tune_exit(result)
+
+
+def _tune_exit(result: Any) -> None:
+    """A profile that could not be written is an error (exit 2, after the results were printed);
+    Ctrl-C is 130, as a shell reports it."""
+    if result.profile_error:
+        click.echo(f"Error: {result.profile_error}", err=True)
+        sys.exit(2)
+    if result.interrupted:
         sys.exit(130)
 
 

@@ -72,6 +72,14 @@ class OverrideArray:
     """A NULL-terminated array of overrides, kept alive as long as this object lives."""
 
     def __init__(self, patterns: tuple[str, ...] | list[str]) -> None:
+        from ..errors import SettingsError
+        from ..limits import check_tensor_pattern
+
+        # the last gate before llama.cpp matches them against every tensor name (std::regex)
+        for i, pattern in enumerate(patterns):
+            problem = check_tensor_pattern(pattern)
+            if problem:
+                raise SettingsError(f"tensor_overrides[{i}]", problem)
         buft = cpu_buffer_type()
         self._patterns = [p.encode() for p in patterns]
         self.array = (TensorBuftOverride * (len(self._patterns) + 1))()

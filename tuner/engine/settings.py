@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .. import limits
 from ..errors import SettingsError
 from .dimensions import (
     CLI_TOOLS,
@@ -33,7 +34,7 @@ MODEL_KEYS = tuple(d.name for d in DIMENSIONS if d.model_level)
 
 # fields held as tuples (JSON gives lists)
 _SEQUENCES = tuple(d.name for d in DIMENSIONS if d.kind in ("proportions", "patterns", "endpoints"))
-_RPC_RE = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
+_RPC_RE = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}")  # fullmatch: "$" would take a trailing newline
 
 
 @dataclass(frozen=True)
@@ -177,44 +178,58 @@ class Settings:
 
 
 def _check(kind: str, value: Any, dim: Any) -> tuple[str, str] | None:
-    """(field, message) when ``value`` is not a valid ``dim``, else None."""
+    """(field, message) when ``value`` is not a valid ``dim``, else None. The bounds (largest
+    values, names and patterns that are safe) are ``tuner.limits``', each with its reason."""
     name = dim.name
+    most = limits.SETTING_MAX.get(name)
     if kind == "path":
         if not isinstance(value, str) or not value:
             return name, "expected a non-empty path to a GGUF file"
+        problem = limits.check_name(value, "path", limit=limits.MAX_PATH)
+        if problem:
+            return name, problem
     elif kind == "int":
         if not isinstance(value, int) or isinstance(value, bool):
-            return name, f"expected an integer, got {value!r}"
+            return name, f"expected an integer, got {_short(value)}"
+        if most is not None and value > most:
+            return name, f"expected at most {most}, got {_short(value)}"
     elif kind == "count":
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            return name, f"expected null (llama.cpp's default) or a count >= 1, got {value!r}"
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1
+                                  or (most is not None and value > most)):
+            span = f"from 1 to {most}" if most is not None else ">= 1"
+            return name, f"expected null (llama.cpp's default) or a count {span}, got {_short(value)}"
     elif kind == "bool":
         if not isinstance(value, bool):
-            return name, f"expected true or false, got {value!r}"
+            return name, f"expected true or false, got {_short(value)}"
     elif kind == "choice":
         if value not in dim.choices:
-            return name, f"expected one of {', '.join(dim.choices)}, got {value!r}"
+            return name, f"expected one of {', '.join(dim.choices)}, got {_short(value)}"
     elif kind == "proportions":
         if value is not None:
             if len(value) == 0:
                 return name, "expected null or at least one proportion"
+            if len(value) > limits.MAX_DEVICES:
+                return name, f"expected at most {limits.MAX_DEVICES} proportions, got {len(value)}"
             for i, part in enumerate(value):
-                if not isinstance(part, (int, float)) or isinstance(part, bool) or part < 0:
-                    return f"{name}[{i}]", f"expected a proportion >= 0, got {part!r}"
+                # (written so that NaN fails too)
+                if not isinstance(part, (int, float)) or isinstance(part, bool) or not 0 <= part <= limits.MAX_PROPORTION:
+                    return f"{name}[{i}]", f"expected a proportion >= 0, got {_short(part)}"
             if sum(value) <= 0:
                 return name, "the proportions add up to 0; at least one device needs a share"
     elif kind == "patterns":
+        if len(value) > limits.MAX_OVERRIDES:
+            return name, f"expected at most {limits.MAX_OVERRIDES} patterns, got {len(value)}"
         for i, pattern in enumerate(value):
-            if not isinstance(pattern, str) or not pattern:
-                return f"{name}[{i}]", f"expected a regular expression, got {pattern!r}"
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                return f"{name}[{i}]", f"not a valid regular expression: {exc}"
+            problem = limits.check_tensor_pattern(pattern)
+            if problem:
+                return f"{name}[{i}]", problem
     elif kind == "endpoints":
+        if len(value) > limits.MAX_DEVICES:
+            return name, f"expected at most {limits.MAX_DEVICES} servers, got {len(value)}"
         for i, server in enumerate(value):
-            if not isinstance(server, str) or not _RPC_RE.match(server):
-                return f"{name}[{i}]", f"expected host:port, got {server!r}"
+            if (not isinstance(server, str) or not _RPC_RE.fullmatch(server)
+                    or not limits.MIN_PORT <= int(server.rsplit(":", 1)[1]) <= limits.MAX_PORT):
+                return f"{name}[{i}]", f"expected host:port (port {limits.MIN_PORT}-{limits.MAX_PORT}), got {_short(server)}"
     else:  # pragma: no cover - a table entry of an unknown kind
         raise AssertionError(f"dimension {name}: unknown kind {kind!r}")
     if dim.check is not None and value is not None:
@@ -222,6 +237,14 @@ def _check(kind: str, value: Any, dim: Any) -> tuple[str, str] | None:
         if message:
             return name, message
     return None
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: a 400-digit number or a megabyte string is not printed whole."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        return f"a number of {int(abs(value).bit_length() * 0.30103) + 1} digits"  # (str() refuses 4,300+ digits)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def kv_type_id(name: str) -> int:

@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import FileWriteError
 from ..paths import atomic_write_bytes, atomic_write_text, headers_dir
 
 FRESH_SECONDS = 24 * 3600
@@ -55,8 +56,11 @@ def load(url: str) -> CachedHeader | None:
 
 def store(entry: CachedHeader) -> None:
     meta_path, data_path = _paths(entry.url)
-    atomic_write_bytes(data_path, entry.data)
-    _write_meta(meta_path, entry, hashlib.sha256(entry.data).hexdigest())
+    try:
+        atomic_write_bytes(data_path, entry.data)
+        _write_meta(meta_path, entry, hashlib.sha256(entry.data).hexdigest())
+    except FileWriteError:
+        pass  # a cache: a read-only or full data folder only costs the next run a download
 
 
 def touch(url: str) -> None:
@@ -66,7 +70,10 @@ def touch(url: str) -> None:
 
     entry = load(url)
     if entry is not None:
-        _write_meta(_paths(url)[0], dataclasses.replace(entry, fetched_at=time.time()), hashlib.sha256(entry.data).hexdigest())
+        try:
+            _write_meta(_paths(url)[0], dataclasses.replace(entry, fetched_at=time.time()), hashlib.sha256(entry.data).hexdigest())
+        except FileWriteError:
+            pass  # (see store)
 
 
 def _write_meta(path: Path, entry: CachedHeader, digest: str) -> None:

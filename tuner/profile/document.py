@@ -33,7 +33,8 @@ key                            meaning
                                path: not trusted elsewhere; apps substitute their own)
 ``min_ctx``                    the smallest context the user needs; degradation at load never goes below it
 ``objective``                  ``"tg"``, ``"pp"`` or ``"mixed"``
-``measured``                   ``pp`` and ``tg``: ``{median, mean, stddev, ci_low, ci_high, samples}``;
+``measured``                   ``pp`` and ``tg``: ``{median, mean, stddev, ci_low, ci_high, samples}`` (``ci_low``..``ci_high``:
+                               a 95% interval of the median, within the samples' range);
                                ``n_prompt``, ``n_gen``, ``depth`` (the benchmark's shape)
 ``memory``                     ``predicted``: ``{device: {weights, kv, compute, total}}``; ``actual``:
                                ``{device: {weights, kv, compute}}``; devices as llama.cpp names them:
@@ -417,10 +418,17 @@ class Profile:
         return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
 
     def write(self, path: str | os.PathLike[str] | None = None) -> Path:
-        """Validate, then write atomically; by default to the user's profile folder. Returns the path."""
+        """Validate, then write atomically (``target_path`` says where). Returns the path; a file
+        that cannot be written raises ``FileWriteError``."""
         self.validate()
-        target = Path(path) if path is not None else profiles_dir() / self.default_filename()
-        return atomic_write_text(target, self.to_json())
+        return atomic_write_text(self.target_path(path), self.to_json())
+
+    def target_path(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Where ``write(path)`` writes: ``path``; inside it, under ``default_filename()``, when it is
+        a folder (or ends with a separator); by default the user's profile folder."""
+        if path is None or Path(path).is_dir() or os.fspath(path).endswith((os.sep, "/")):
+            return output_folder(path) / self.default_filename()
+        return Path(path)
 
     # -- for apps ------------------------------------------------------------------------------
 
@@ -438,6 +446,18 @@ class Profile:
     def cli_args(self, tool: str = "llama-server", model_path: str | os.PathLike[str] | None = None) -> list[str]:
         """Flags for ``llama-server``, ``llama-cli`` or ``llama-bench``, as an argv list."""
         return self.settings.cli_args(tool, model_path=None if model_path is None else os.fspath(model_path))
+
+
+def output_folder(path: str | os.PathLike[str] | None) -> Path:
+    """The folder a profile written to ``path`` lands in (``Profile.target_path``): the user's
+    profile folder by default; ``path`` itself when it is a folder or ends with a separator; else
+    the folder ``path`` names a file in."""
+    if path is None:
+        return profiles_dir()
+    text = os.fspath(path)
+    if Path(text).is_dir() or text.endswith((os.sep, "/")):
+        return Path(text)
+    return Path(text).parent
 
 
 def utc_now() -> str:
@@ -830,6 +850,7 @@ __all__ = [
     "ProfileAdjustedWarning",
     "ProfileDegradedWarning",
     "utc_now",
+    "output_folder",
     "tool_version",
     "describe_gpus",
     "format_bytes",

@@ -38,7 +38,7 @@ class Contender:
     def from_trial(cls, t: Any) -> "Contender":
         """From a completed Optuna trial of the study (its user attributes)."""
         a = t.user_attrs
-        return cls(number=t.number, settings=Settings.from_dict(a["settings"]), pp=a.get("pp"), tg=a.get("tg"),
+        return cls(number=t.number, settings=Settings.from_dict(a["settings"]), pp=_restat(a.get("pp")), tg=_restat(a.get("tg")),
                    value=t.value, predicted=a.get("predicted", {}), actual=a.get("actual", {}),
                    layers=a.get("layers", [None, None]))
 
@@ -103,6 +103,15 @@ class Remeasure:
                                         value=score(self.objective, pp, tg, self.final), remeasured=True)
             out.append(c)
         return out, interrupted
+
+
+def _restat(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The figures of a recorded trial worked out again from its samples: a study written by an
+    older version holds intervals that could leave the samples' range (below 0 t/s)."""
+    if not stats or not stats.get("samples"):
+        return stats
+    fresh = Stats.of(stats["samples"])
+    return fresh.to_dict() if fresh else stats
 
 
 def pick_winner(contenders: Sequence[Contender], objective: str) -> tuple[Contender, Contender | None]:

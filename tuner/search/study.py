@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -31,12 +32,13 @@ from typing import Any, Callable, Mapping, Sequence
 from ..engine.base import BenchSpec, TrialResult
 from ..engine.outcome import Outcome
 from ..engine.python import TrialRunner
-from ..errors import SettingsError, StudyError
+from .. import limits
+from ..errors import SettingsError, StudyError, TunerError
 from ..machine.probe import Machine, probe
 from ..model.estimate import MemoryEstimate
 from ..model.inspect import ModelInfo
-from ..paths import studies_dir
-from ..profile.document import Profile
+from ..paths import ensure_writable, studies_dir
+from ..profile.document import Profile, output_folder
 from .candidates import Candidates, accelerator_devices, settings_key
 from .interrupt import CtrlC
 from .objective import OBJECTIVES, score
@@ -62,10 +64,12 @@ class TuneResult:
     storage: str
     interrupted: bool = False
     rejected: dict[str, str] = field(default_factory=dict)
+    profile_error: str | None = None  # why the profile was not written (the study keeps the result)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "profile_path": str(self.profile_path) if self.profile_path else None,
+            "profile_error": self.profile_error,
             "profile": self.profile.to_dict() if self.profile is not None else None,
             "best": self.best,
             "runner_up": self.runner_up,
@@ -127,6 +131,8 @@ class Tuner:
             trials = 20
         if trials is not None and trials < 1:
             raise SettingsError("trials", f"expected at least 1, got {trials}")
+        _check_numbers(time_budget=time_budget, vram_margin=vram_margin, trial_timeout=trial_timeout, min_ctx=min_ctx,
+                       depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions)
         self.objective = objective
         self.trials = trials
         self.time_budget = time_budget
@@ -142,6 +148,12 @@ class Tuner:
         self.seed = seed
         self.emit = on_event or (lambda event: None)
         self.trial_timeout = trial_timeout
+
+        # Where the results go must take them, before any trial runs: a read-only profile or data
+        # folder is found now, not after an hour of trials.
+        ensure_writable(output_folder(self.out))
+        if storage is None:
+            ensure_writable(studies_dir())
 
         vetted = vet_variants(model, variants, known=infos)
         self.main, self.models, self.rejected = vetted.main, vetted.models, vetted.rejected
@@ -346,13 +358,23 @@ class Tuner:
             contenders, interrupted = remeasure.run(contenders, ctrl_c)
         best, second = pick_winner(contenders, self.objective)
         runner_up = {"settings": second.settings.to_dict(), "pp": second.pp, "tg": second.tg} if second else None
-        profile = self._profile(best, runner_up, counts)
-        path = profile.write(self.out)
+        # The study holds every trial whatever happens next; a profile that cannot be made or written
+        # (a full disk, a folder gone read-only) is reported with the winner, never in its place.
+        profile: Profile | None = None
+        path: Path | None = None
+        problem = None
+        try:
+            profile = self._profile(best, runner_up, counts)
+            path = profile.write(self.out)
+        except TunerError as exc:
+            problem = (f"the profile was not written: {exc}. Nothing is lost: study {self.study_name} keeps every trial; "
+                       "fix this and run the same command again, it writes the profile without repeating the trials")
         best_out = best.to_dict()
-        self.emit({"kind": "done", "profile_path": str(path), "best": best_out, "counts": counts, "interrupted": interrupted})
+        self.emit({"kind": "done", "profile_path": str(path) if path else None, "best": best_out, "counts": counts,
+                   "interrupted": interrupted, "profile_error": problem})
         return TuneResult(profile=profile, profile_path=path, best=best_out, runner_up=runner_up, counts=counts,
                           space=self.space, study_name=self.study_name, storage=self.storage, interrupted=interrupted,
-                          rejected=self.rejected)
+                          rejected=self.rejected, profile_error=problem)
 
     def _profile(self, best: Contender, runner_up: dict[str, Any] | None, counts: dict[str, int]) -> Profile:
         s = best.settings
@@ -389,6 +411,24 @@ def _counts(trials: Sequence[Any]) -> dict[str, int]:
         "oom": sum(1 for t in trials if t.user_attrs.get("outcome") == "oom"),
         "failed": sum(1 for t in ran if t.user_attrs.get("outcome") not in ("ok", "oom")),
     }
+
+
+def _check_numbers(**values: Any) -> None:
+    """The tune's numeric options: refused with the option named, before anything runs."""
+    rules = {
+        "time_budget": (lambda v: v is None or (math.isfinite(v) and v > 0), "a number of seconds above 0"),
+        "vram_margin": (lambda v: 0 <= v <= limits.MAX_DOCUMENT_INT, "a size >= 0"),
+        "trial_timeout": (lambda v: math.isfinite(v) and v > 0, "a number of seconds above 0"),
+        "min_ctx": (lambda v: 1 <= v <= limits.MAX_CTX, f"a context from 1 to {limits.MAX_CTX} tokens"),
+        "depth": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
+        "n_prompt": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
+        "n_gen": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
+        "repetitions": (lambda v: 1 <= v <= 10_000, "a count from 1 to 10000"),
+    }
+    for name, value in values.items():
+        ok, expected = rules[name]
+        if not isinstance(value, (int, float, type(None))) or isinstance(value, bool) or not ok(value):
+            raise SettingsError(name, f"expected {expected}, got {value!r}")
 
 
 def _best_value(study: Any) -> float | None:

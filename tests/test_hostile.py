@@ -1,0 +1,272 @@
+"""Hostile input and hostile machines: every way a command was seen to end in a traceback, a wrong
+answer or a lost result (issue 13), each tested for real: real files, real folders the kernel refuses
+to write, real subprocesses.
+
+Folders are made read-only with their permission bits. Root ignores those bits, so the commands run
+in a child that first gives up the capabilities that let it (CAP_DAC_OVERRIDE and friends): then
+the kernel refuses the write exactly as it does for any user (see ``_ENFORCE``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tuner.engine.base import Stats, median_interval
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Run a command with file permissions enforced, even as root: drop CAP_DAC_OVERRIDE (1),
+# CAP_DAC_READ_SEARCH (2) and CAP_FOWNER (3) from the bounding set (so no child gets them back) and
+# from this process. Both calls fail harmlessly for a user who never had them.
+_ENFORCE = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for cap in (1, 2, 3):
+    libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+header, data = Header(0x20080522, 0), (Data * 2)()
+if libc.capget(ctypes.byref(header), data) == 0:
+    for d in data[:1]:
+        d.effective &= ~0xE; d.permitted &= ~0xE; d.inheritable &= ~0xE
+    libc.capset(ctypes.byref(header), data)
+sys.path.insert(0, sys.argv[1])
+"""
+
+
+def run_enforced(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python with file permissions enforced; ``sys.argv[2:]`` are ``args``."""
+    return subprocess.run([sys.executable, "-c", _ENFORCE + code, str(ROOT), *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+def run_cli_enforced(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_enforced("from tuner.cli.main import cli\ncli(sys.argv[2:], prog_name='offload-tuner')", *args, env=env)
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Folders made read-only for the test, writable again at teardown (so pytest can remove them)."""
+    made: list[Path] = []
+
+    def make(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o555)
+        made.append(path)
+        return path
+
+    yield make
+    for path in made:
+        path.chmod(0o755)
+
+
+# A machine with no GPU, and a quick study (as tests/test_study.py uses them).
+_MACHINE = r"""
+from tuner.machine.probe import LlamaBuild, Machine
+
+def machine():
+    return Machine(cpu_model="Test CPU", physical_cores=4, logical_cores=4, ram_total=16 << 30, ram_available=12 << 30,
+                   gpu_status="no GPU", llama=LlamaBuild(llama_cpp_python="0.3.36", gpu_offload=True, rpc=True,
+                                                         backends=("cpu", "rpc")))
+
+def kwargs(**extra):
+    return {**dict(min_ctx=512, n_prompt=64, n_gen=16, repetitions=2, final_repetitions=3, vram_margin=0), **extra}
+"""
+exec(_MACHINE)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+# -- the interval of a noisy measurement -------------------------------------------------------
+
+
+def test_the_interval_is_two_of_the_samples_and_never_leaves_their_range():
+    # the issue's samples: mean - t*sd/sqrt(n) was -1,120 t/s, and the profile was refused after every trial
+    stats = Stats.of([1.4, 900, 929])
+    assert (stats.ci_low, stats.median, stats.ci_high) == (1.4, 900.0, 929.0)
+    rng = random.Random(13)
+    for _ in range(2000):
+        n = rng.randrange(1, 40)
+        samples = [rng.choice([rng.uniform(0, 1e-3), rng.uniform(0, 2000), rng.lognormvariate(5, 3)]) for _ in range(n)]
+        s = Stats.of(samples)
+        assert min(samples) <= s.ci_low <= s.median <= s.ci_high <= max(samples)
+        assert s.ci_low in samples and s.ci_high in samples
+
+
+@pytest.mark.parametrize("n", range(1, 60))
+def test_the_interval_covers_the_median_95_percent_of_the_time(n):
+    # [x_(j), x_(n+1-j)] covers the median unless fewer than j samples fall on one side of it:
+    # P = 1 - 2 P(Binomial(n, 1/2) < j), worked out here from the indices the interval picked
+    samples = list(range(n))
+    low, high = median_interval(samples)
+    j = low + 1
+    assert high == n - j  # symmetric
+    coverage = 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2 ** n
+    if n >= 6:
+        assert coverage >= 0.95
+        # and it is the tightest such pair: one step in would fall below 95%
+        assert 1 - 2 * sum(math.comb(n, i) for i in range(j + 1)) / 2 ** n < 0.95
+    else:
+        assert (low, high) == (0, n - 1)  # too few samples for 95%: their whole range
+
+
+def test_noisy_samples_still_end_in_a_profile(models, tuner_home):
+    # a shared machine: one stalled run among the samples of every trial
+    from tuner.engine.fake import ScriptedRunner
+    from tuner.model.inspect import inspect
+    from tuner.search.study import Tuner
+
+    class Stalling(ScriptedRunner):
+        def run(self, settings, bench, *, trial_id=None):
+            result = super().run(settings, bench, trial_id=trial_id)
+            if result.tg is not None:
+                samples = [1.4] + [result.tg.median * (1 + 0.03 * i) for i in range(bench.repetitions - 1)] or [1.4]
+                result.tg = Stats.of(samples)
+            return result
+
+    info = inspect(models["q8_0"])
+    result = Tuner(models["q8_0"], trials=4, machine=machine(), engine=Stalling({info.path: info}), **kwargs(repetitions=3)).run()
+    assert result.profile_error is None and result.profile_path.is_file()
+    tg = result.profile.measured.tg
+    assert min(tg.samples) <= tg.ci_low <= tg.median <= tg.ci_high <= max(tg.samples)
+
+
+def test_a_study_written_with_the_old_interval_still_gives_a_profile():
+    # a study an older version wrote holds ci_low < 0; the figures are worked out again from the samples
+    from types import SimpleNamespace
+
+    from tuner.search.remeasure import Contender
+
+    old = {"median": 900.0, "mean": 610.1, "stddev": 527.4, "ci_low": -700.0, "ci_high": 1920.3, "samples": [1.4, 900.0, 929.0]}
+    trial = SimpleNamespace(number=3, value=900.0, user_attrs={"settings": {"model_path": "m.gguf"}, "tg": old, "pp": None})
+    contender = Contender.from_trial(trial)
+    assert (contender.tg["ci_low"], contender.tg["ci_high"]) == (1.4, 929.0)
+    assert contender.pp is None
+
+
+# -- where results are written ------------------------------------------------------------------
+
+
+def test_tune_refuses_a_read_only_profile_folder_before_any_trial(models, tuner_home, read_only, tmp_path):
+    folder = read_only(tmp_path / "shared-profiles")
+    proc = run_cli_enforced("tune", str(models["q8_0"]), "--trials", "2", "--out", str(folder) + "/",
+                            env={"OFFLOAD_TUNER_HOME": str(tuner_home)})
+    assert proc.returncode == 2
+    assert one_error_line(proc) == f"Error: cannot write {folder}: Permission denied (this folder must be writable)"
+    assert not (tuner_home / "studies" / "studies.db").exists()  # nothing ran
+
+
+def test_a_read_only_data_folder(models, read_only, tmp_path):
+    home = read_only(tmp_path / "home")
+    env = {"OFFLOAD_TUNER_HOME": str(home)}
+    proc = run_cli_enforced("tune", str(models["q8_0"]), "--trials", "2", env=env)
+    assert proc.returncode == 2
+    assert one_error_line(proc) == f"Error: cannot write {home / 'profiles'}: Permission denied (this folder must be writable)"
+    # reading is fine: there is nothing to list
+    proc = run_cli_enforced("profile", "list", "--all", env=env)
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout.startswith("no profiles in ")
+
+
+def test_a_profile_folder_gone_read_only_keeps_the_study_and_the_rerun_writes_it(models, tmp_path):
+    # The folder is writable when the tune starts and read-only by the time the profile is written
+    # (as a disk that fills up): the winner is reported, the study keeps every trial, and the same
+    # tune run again writes the profile without running a trial again.
+    folder = tmp_path / "profiles"
+    code = r"""
+import json, sys
+from pathlib import Path
+from tuner.engine.fake import ScriptedRunner
+from tuner.model.inspect import inspect
+from tuner.search.study import Tuner
+exec(sys.argv[2])
+model, folder, lock = sys.argv[3], Path(sys.argv[4]), sys.argv[5] == "lock"
+info = inspect(model)
+engine = ScriptedRunner({info.path: info})
+def on_event(event):
+    if lock and event["kind"] == "remeasure":
+        folder.chmod(0o555)
+result = Tuner(model, trials=3, machine=machine(), engine=engine, out=folder, on_event=on_event, **kwargs()).run()
+print(json.dumps({"path": str(result.profile_path) if result.profile_path else None, "error": result.profile_error,
+                  "launched": len(engine.launched), "run": result.counts["run"], "best": result.best["value"]}))
+"""
+    env = {"OFFLOAD_TUNER_HOME": str(tmp_path / "home")}
+    folder.mkdir()
+    try:
+        first = run_enforced(code, _MACHINE, str(models["q8_0"]), str(folder), "lock", env=env)
+        assert first.returncode == 0, first.stderr[-3000:]
+        got = json.loads(first.stdout.splitlines()[-1])
+    finally:
+        folder.chmod(0o755)
+    assert got["path"] is None and got["best"] > 0 and got["run"] == 3
+    assert got["error"].startswith(f"the profile was not written: cannot write {folder}/")
+    assert "Permission denied" in got["error"] and "Nothing is lost" in got["error"]
+    assert list(folder.iterdir()) == []  # no half-written file either
+    again = run_enforced(code, _MACHINE, str(models["q8_0"]), str(folder), "open", env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads(again.stdout.splitlines()[-1])
+    assert rerun["error"] is None and Path(rerun["path"]).parent == folder and Path(rerun["path"]).is_file()
+    assert rerun["run"] == 3  # the study's trials, none added:
+    assert rerun["launched"] == got["launched"] - 3  # the re-measure of the leaders ran again, no trial did
+
+
+def test_a_write_the_disk_refuses_midway_loses_nothing(tmp_path):
+    # A full disk: the kernel refuses the bytes past a limit. RLIMIT_FSIZE makes it refuse them for
+    # this child alone (EFBIG instead of ENOSPC, the same failed write()).
+    target = tmp_path / "profile.json"
+    target.write_text("the old profile\n")
+    code = r"""
+import resource, signal, sys
+from tuner.errors import FileWriteError
+from tuner.paths import atomic_write_text
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    atomic_write_text(sys.argv[2], "x" * 100_000)
+except FileWriteError as exc:
+    print(exc)
+"""
+    proc = run_enforced(code, str(target))
+    assert proc.stdout.strip() == f"cannot write {target}: File too large", proc.stderr
+    assert target.read_text() == "the old profile\n"  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]  # no temp file left behind
+
+
+def test_out_may_name_a_folder(models, tuner_home, tmp_path):
+    from tuner.engine.fake import ScriptedRunner
+    from tuner.model.inspect import inspect
+    from tuner.search.study import Tuner
+
+    info = inspect(models["q8_0"])
+    folder = tmp_path / "team"
+    folder.mkdir()
+    result = Tuner(models["q8_0"], trials=2, machine=machine(), engine=ScriptedRunner({info.path: info}), out=folder, **kwargs()).run()
+    assert result.profile_path.parent == folder and result.profile_path.name == result.profile.default_filename()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--time-budget", "0"], "Error: --time-budget: expected a number of seconds above 0, got 0.0"),
+    (["--time-budget", "nan"], "Error: --time-budget: expected a number of seconds above 0, got nan"),
+    (["--vram-margin", "-1"], "Error: --vram-margin: expected MiB >= 0, got -1"),
+    (["--trial-timeout", "-5"], "Error: --trial-timeout: expected a number of seconds above 0, got -5.0"),
+    (["--min-ctx", str(2 ** 62)], f"Error: --min-ctx: expected a context from 1 to {1 << 24} tokens, got {2 ** 62}"),
+    (["-r", "0"], "Error: --repetitions: expected a count from 1 to 10000, got 0"),
+])
+def test_tune_refuses_absurd_options_in_one_line(models, tuner_home, args, message):
+    proc = subprocess.run([sys.executable, "-m", "tuner", "tune", str(models["q8_0"]), *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "OFFLOAD_TUNER_HOME": str(tuner_home)}, timeout=300)
+    assert proc.returncode == 2
+    assert one_error_line(proc) == message

@@ -1,0 +1,193 @@
+"""Bounds on every number and name the tuner takes from outside: a profile someone shared, a GGUF
+header, a command line, a log. In one place, so each check says the same limit and why.
+
+Anything read from a file someone else wrote is hostile: a count is bounded before anything is
+allocated from it, a name is checked before it is printed into a shell line, a regular expression
+before it is matched. The limits are far above anything real (with the reason next to each) and
+far below what would exhaust memory or overflow llama.cpp's C integers.
+
+This module imports nothing of the tuner's: every stage may use it.
+"""
+
+from __future__ import annotations
+
+import re
+
+# -- settings (llama.cpp's own types in brackets) ------------------------------------------------
+
+# Context size in tokens [uint32 n_ctx]. The longest trained context is 10M tokens (Llama 4 Scout,
+# 2025); 2^24 leaves room and keeps n_ctx x bytes-per-token arithmetic sane. n_ctx 2^62 passed before.
+MAX_CTX = 1 << 24
+# Batch sizes [uint32 n_batch, n_ubatch]: never usefully above the context.
+MAX_BATCH = MAX_CTX
+# GPU layers [int32 n_gpu_layers]: -1 is all; users write 999 for all too (llama.cpp clamps). No
+# model has 2^16 layers; 10^400 passed before and a profile check said it fit.
+MAX_GPU_LAYERS = 1 << 16
+# Threads [int32]: the largest machines have a few thousand hardware threads.
+MAX_THREADS = 1 << 14
+# Devices: a GPU index, a tensor split's length, RPC servers [llama_max_devices() is 16 in CUDA builds].
+MAX_DEVICES = 256
+# A tensor split proportion: any positive share works; beyond this it is a typo or an attack.
+MAX_PROPORTION = 1e9
+# The largest value of each numeric setting (tuner.engine.settings applies them by field name).
+SETTING_MAX = {
+    "n_gpu_layers": MAX_GPU_LAYERS,
+    "main_gpu": MAX_DEVICES - 1,
+    "n_ctx": MAX_CTX,
+    "n_batch": MAX_BATCH,
+    "n_ubatch": MAX_BATCH,
+    "n_threads": MAX_THREADS,
+    "n_threads_batch": MAX_THREADS,
+}
+
+# -- names and paths -----------------------------------------------------------------------------
+
+# A name or path that ends up in a shell line, a Modelfile, an env file or a terminal: no control
+# characters (a newline in a model's file name ran the rest of the name when the env export was
+# sourced), and a length no file system takes.
+MAX_NAME = 1024
+MAX_PATH = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\x80-\x9f\u2028\u2029]")
+
+# -- tensor overrides (regular expressions from profiles) ----------------------------------------
+
+# llama.cpp matches each override against every tensor name with std::regex_search, whose
+# backtracking a pattern like "(a+)+$" makes exponential: tuner.Llama hung on a shared profile.
+# So a pattern is at most this long and uses a restricted syntax (see check_tensor_pattern).
+MAX_OVERRIDES = 64
+MAX_OVERRIDE_LENGTH = 256
+
+# -- network -------------------------------------------------------------------------------------
+
+MIN_PORT, MAX_PORT = 1, 65535
+
+# -- GGUF headers ----------------------------------------------------------------------------------
+
+# Counts in a GGUF header are checked against the file itself (a layer needs tensors, tensors need
+# bytes); these absolute caps come first, so nothing is allocated from an absurd count.
+MAX_GGUF_LAYERS = 1 << 16
+MAX_GGUF_EMBD = 1 << 20      # embedding width: the widest models are ~2^14
+MAX_GGUF_HEADS = 1 << 16
+MAX_GGUF_EXPERTS = 1 << 16
+MAX_GGUF_CONTEXT = 1 << 32   # a training context the header claims (uint32 in llama.cpp)
+
+# -- integers in documents (profiles, bundles) -------------------------------------------------------
+
+# Sizes are bytes: 2^60 is an exbibyte. Any integer a profile holds is at most this (a 400-digit one
+# made the apps' arithmetic raise OverflowError).
+MAX_DOCUMENT_INT = 1 << 60
+MAX_DOCUMENT_FLOAT = 1e18
+# A JSON document nested deeper than this is not a profile (json.loads hit RecursionError at 100,000).
+MAX_JSON_DEPTH = 64
+
+
+def control_character(text: str) -> str | None:
+    """The first control character in ``text`` as a readable escape (``'\\n'``), or None."""
+    m = _CONTROL.search(text)
+    return None if m is None else repr(m.group())[1:-1]
+
+
+def check_name(text: object, what: str, *, limit: int = MAX_NAME) -> str | None:
+    """Why ``text`` is not a safe name or path (``what`` says which), or None when it is."""
+    if not isinstance(text, str) or not text:
+        return f"expected a non-empty {what}, got {text!r}"[:200]
+    if len(text) > limit:
+        return f"a {what} of {len(text)} characters (at most {limit})"
+    bad = control_character(text)
+    if bad is not None:
+        return f"the {what} holds a control character ({bad}); rename it"
+    return None
+
+
+# The restricted syntax of a tensor override: what llama.cpp's documented overrides and this tuner's
+# placements use (literals, ".", escapes such as "\." and "\d", character classes, groups of
+# alternatives, optional groups, repeated single characters or classes, anchors), minus what makes a
+# backtracking matcher slow: a repeated group ("(a+)+", "(\w*)*", "(a|aa)+"), a backreference or a
+# lookaround, two unbounded repetitions with nothing required between them (".*.*"), and more than
+# MAX_UNBOUNDED unbounded repetitions in all. What is left matches a tensor name (at most 64
+# characters, GGML_MAX_NAME) in polynomial time of low degree, in Python's re and in llama.cpp's
+# std::regex alike.
+MAX_UNBOUNDED = 4
+_QUANT = re.compile(r"(?:[*+?]|\{(\d*)(?:(,)(\d*))?\})[?+]?")
+_GROUP_START = re.compile(r"\(\?(?::|P<\w+>|<\w+>|[aiLmsux-]+(?::|\)))")
+
+
+def check_tensor_pattern(pattern: object) -> str | None:
+    """Why ``pattern`` is not an acceptable tensor override (a regular expression over tensor names,
+    kept on the CPU), or None when it is: bounded length, compiles, and the restricted syntax above."""
+    if not isinstance(pattern, str) or not pattern:
+        return f"expected a regular expression, got {pattern!r}"[:200]
+    if len(pattern) > MAX_OVERRIDE_LENGTH:
+        return f"a pattern of {len(pattern)} characters (at most {MAX_OVERRIDE_LENGTH})"
+    bad = control_character(pattern)
+    if bad is not None:
+        return f"the pattern holds a control character ({bad})"
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        return f"not a valid regular expression: {exc}"
+    slow = "could make matching take minutes or forever (llama.cpp matches it against every tensor name by backtracking); "
+    hint = r"write the cases out instead, e.g. blk\.(0|1|2)\.ffn_.* or blk\.\d+\.ffn_up"
+    unbounded = 0
+    open_repeat = False  # the last thing that must match was an unbounded repetition
+    i, n = 0, len(pattern)
+    while i < n:
+        ch = pattern[i]
+        kind = "atom"
+        if ch == "\\":
+            if pattern[i + 1 : i + 2] in tuple("123456789"):
+                return f"a backreference ({pattern[i:i + 2]}) {slow}{hint}"
+            i += 2
+        elif ch == "[":
+            j = i + 1
+            if pattern[j : j + 1] == "^":
+                j += 1
+            if pattern[j : j + 1] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+        elif ch == "(":
+            if pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+                return f"a lookaround ({pattern[i:i + 4]}...) is not needed to name tensors; {hint}"
+            if pattern.startswith("(?P=", i):
+                return f"a backreference ({pattern[i:i + 5]}...) {slow}{hint}"
+            m = _GROUP_START.match(pattern, i)
+            i = m.end() if m else i + 1
+            continue
+        elif ch == ")":
+            kind = "group"
+            i += 1
+        elif ch in "|^$":
+            i += 1
+            continue
+        else:
+            i += 1
+        q = _QUANT.match(pattern, i)
+        if q is None:
+            open_repeat = False  # something required between repetitions
+            continue
+        i = q.end()
+        text = q.group()
+        if kind == "group" and not text.startswith("?"):
+            return f"a repeated group ({text} after a group) {slow}{hint}"
+        low, comma, high = q.group(1), q.group(2), q.group(3)
+        endless = text[0] in "*+" or (comma is not None and (not high or int(high) > 64))
+        if text[0] == "{" and not comma and low and int(low) > 64:
+            return f"a repetition of {low} (a tensor name has at most 64 characters)"
+        if endless:
+            if open_repeat:
+                return f"two unbounded repetitions in a row (at {pattern[max(0, i - 8):i]!r}) {slow}{hint}"
+            unbounded += 1
+            open_repeat = True
+            if unbounded > MAX_UNBOUNDED:
+                return f"more than {MAX_UNBOUNDED} unbounded repetitions (*, +, {{m,}}) {slow}{hint}"
+    return None
+
+
+__all__ = [
+    "MAX_CTX", "MAX_BATCH", "MAX_GPU_LAYERS", "MAX_THREADS", "MAX_DEVICES", "MAX_PROPORTION", "SETTING_MAX", "MAX_NAME", "MAX_PATH",
+    "MAX_OVERRIDES", "MAX_OVERRIDE_LENGTH", "MAX_UNBOUNDED", "MIN_PORT", "MAX_PORT", "MAX_GGUF_LAYERS", "MAX_GGUF_EMBD", "MAX_GGUF_HEADS",
+    "MAX_GGUF_EXPERTS", "MAX_GGUF_CONTEXT", "MAX_DOCUMENT_INT", "MAX_DOCUMENT_FLOAT", "MAX_JSON_DEPTH",
+    "control_character", "check_name", "check_tensor_pattern",
+]
