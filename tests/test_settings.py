@@ -39,7 +39,7 @@ def test_defaults_are_valid():
         ({"tensor_overrides": ["(a+)+$"]}, "settings.tensor_overrides[0]: a repeated group (+ after a group) could make matching "
                                            "take minutes or forever (llama.cpp matches it against every tensor name by "
                                            "backtracking); write the cases out instead, e.g. blk\\.(0|1|2)\\.ffn_.* or blk\\.\\d+\\.ffn_up"),
-        ({"tensor_overrides": ["x" * 300]}, "settings.tensor_overrides[0]: a pattern of 300 characters (at most 256)"),
+        ({"tensor_overrides": ["x" * 5000]}, "settings.tensor_overrides[0]: a pattern of 5000 characters (at most 4096)"),
     ],
 )
 def test_invalid_settings_name_the_field(changes, message):

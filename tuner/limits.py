@@ -27,8 +27,9 @@ MAX_GPU_LAYERS = 1 << 16
 MAX_THREADS = 1 << 14
 # Devices: a GPU index, a tensor split's length, RPC servers [llama_max_devices() is 16 in CUDA builds].
 MAX_DEVICES = 256
-# A tensor split proportion: any positive share works; beyond this it is a typo or an attack.
-MAX_PROPORTION = 1e9
+# A tensor split proportion: any finite share >= 0 works, memory sizes in bytes included (llama.cpp's
+# own default split is proportional to free memory); an exbibyte is the cap.
+MAX_PROPORTION = float(1 << 60)
 # The largest value of each numeric setting (tuner.engine.settings applies them by field name).
 SETTING_MAX = {
     "n_gpu_layers": MAX_GPU_LAYERS,
@@ -54,8 +55,10 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f\x80-\x9f\u2028\u2029]")
 # llama.cpp matches each override against every tensor name with std::regex_search, whose
 # backtracking a pattern like "(a+)+$" makes exponential: tuner.Llama hung on a shared profile.
 # So a pattern is at most this long and uses a restricted syntax (see check_tensor_pattern).
+# (4096 characters: an alternation of every layer of a 200-layer model, or of the exact tensor names a
+# log kept on the CPU, as tuner.report.diagnose writes them, fits.)
 MAX_OVERRIDES = 64
-MAX_OVERRIDE_LENGTH = 256
+MAX_OVERRIDE_LENGTH = 4096
 
 # -- network -------------------------------------------------------------------------------------
 

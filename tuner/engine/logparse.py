@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Iterator
 
 MiB = 1048576
 
@@ -833,31 +833,10 @@ def _maybe_failure(low: str) -> bool:
             or "()" in low or "corrupt" in low or "cl_out" in low)
 
 
-class _Parser:
-    def __init__(self) -> None:
-        self.p = _Pass()
-        self.c = self.p.ctx
-        self.passes: list[_Pass] = [self.p]
-        self.oom = False
-        self.errors: list[str] = []
-        self.devices: dict[str, int] = {}
-        self.breakdown_free: dict[str, int] = {}
-        self.prompt_tps: float | None = None
-        self.eval_tps: float | None = None
-        self.build: str | None = None
+class _LineReader:
+    """Physical lines in, messages out: carrier prefixes stripped, JSON and slog lines opened, glued
+    lines split. Subclasses take each message in ``feed`` and each structured line in ``_structured``."""
 
-    # -- pass bookkeeping --
-    def _new_pass(self) -> None:
-        self.p = _Pass()
-        self.c = self.p.ctx
-        self.passes.append(self.p)
-        if len(self.passes) > _MAX_LOADS:
-            del self.passes[_MAX_LOADS // 2]
-
-    def _new_ctx(self) -> None:
-        self.c = self.p.ctx = _Ctx()
-
-    # -- physical lines --
     def feed_text(self, text: str) -> None:
         for raw in _lines(text):
             if not raw or raw.isspace():
@@ -910,6 +889,36 @@ class _Parser:
             msg = msg.strip()
             if msg:
                 self.feed(msg, shown, err or err_d, truncated)
+
+    def feed(self, t: str, shown: str, error_level: bool = False, truncated: bool = False) -> None:
+        raise NotImplementedError
+
+    def _structured(self, t: str) -> None:
+        raise NotImplementedError
+
+class _Parser(_LineReader):
+    def __init__(self) -> None:
+        self.p = _Pass()
+        self.c = self.p.ctx
+        self.passes: list[_Pass] = [self.p]
+        self.oom = False
+        self.errors: list[str] = []
+        self.devices: dict[str, int] = {}
+        self.breakdown_free: dict[str, int] = {}
+        self.prompt_tps: float | None = None
+        self.eval_tps: float | None = None
+        self.build: str | None = None
+
+    # -- pass bookkeeping --
+    def _new_pass(self) -> None:
+        self.p = _Pass()
+        self.c = self.p.ctx
+        self.passes.append(self.p)
+        if len(self.passes) > _MAX_LOADS:
+            del self.passes[_MAX_LOADS // 2]
+
+    def _new_ctx(self) -> None:
+        self.c = self.p.ctx = _Ctx()
 
     # -- one logical line --
     def _structured(self, t: str) -> None:
@@ -1211,6 +1220,42 @@ class _Parser:
             errors=tuple(errors),
             loads=tuple(p.to_load() for p in loads),
         )
+
+
+@dataclass
+class _Line:
+    text: str          # message with every prefix and decoration removed (what regexes see)
+    shown: str         # message with transport prefixes removed (what ``errors`` stores)
+    error_level: bool  # the carrier said this line is an error (llama.cpp "E", JSON level, ...)
+    structured: bool = False  # a JSON log line (or an over-long line) as a whole: fields only
+    truncated: bool = False   # cut from an over-long line whose fields were already read whole
+
+
+class _Collector(_LineReader):
+    def __init__(self) -> None:
+        self.out: list[_Line] = []
+
+    def feed(self, t: str, shown: str, error_level: bool = False, truncated: bool = False) -> None:
+        self.out.append(_Line(t, shown, error_level, truncated=truncated))
+
+    def _structured(self, t: str) -> None:
+        self.out.append(_Line(t, t, False, structured=True))
+
+
+def _logical_lines(text: str) -> Iterator[_Line]:
+    """The messages of a log as ``parse_log`` reads them, for other readers of the same log
+    (``tuner.engine.logfacts``): every carrier prefix stripped, JSON and slog lines opened, glued
+    lines split; structured (whole JSON or over-long) lines flagged."""
+    reader = _Collector()
+    for raw in _lines(text):
+        if not raw or raw.isspace():
+            continue
+        try:
+            reader.feed_line(raw)
+        except Exception:  # noqa: BLE001 - as parse_log: one odd line costs nothing else
+            pass
+        yield from reader.out
+        reader.out.clear()
 
 
 def parse_log(text: str) -> LoadReport:
