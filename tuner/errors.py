@@ -17,6 +17,7 @@
     ├── MachineSpecError           a described machine (--device, --ram, --machine FILE) cannot be read
     ├── LogUnreadableError         a llama.cpp log holds nothing that says what happened at load
     ├── FileWriteError             a file the tuner writes cannot be written (read-only, full disk)
+    ├── ReportError                a report cannot be made (no such study or profile, PNG export failed)
     └── ProfileError               a profile cannot be used
         ├── ProfileValidationError a field is wrong (dotted path in the message)
         ├── SchemaVersionError     a profile of an unknown major schema version
@@ -104,6 +105,8 @@ class FileWriteError(TunerError):
         self.path = str(path)
         self.reason = reason
         super().__init__(f"cannot write {self.path}: {reason}")
+class ReportError(TunerError):
+    pass
 
 
 class ProfileError(TunerError):

@@ -73,6 +73,11 @@ def models_dir() -> Path:
     return _subdir("models")
 
 
+def study_storage_url() -> str:
+    """The default Optuna storage: SQLite in the data folder's ``studies/``."""
+    return f"sqlite:///{studies_dir() / 'studies.db'}"
+
+
 def headers_dir() -> Path:
     """Cached GGUF headers of models read over the network (``tuner.model.header_cache``)."""
     return _subdir("headers")

@@ -475,12 +475,14 @@ class _Progress:
               help="Write the profile to this file, or into this folder (default: the data folder's profiles).")
 @click.option("--trial-timeout", type=float, default=300, show_default=True, help="Kill a trial after this many seconds.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--quiet", "-q", is_flag=True, help="No progress; print only the profile path.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress; print only the profile path (and the report's, with --report).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress).")
+@click.option("--report", "report_path", is_flag=False, flag_value="", default=None, metavar="[FILE.html]",
+              help="At the end, write the HTML report (to FILE.html, or the data folder's reports/) and print its path.")
 def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
              objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int,
              rpc: str | None, storage: str | None, study_name: str | None, out: str | None, trial_timeout: float,
-             seed: int, quiet: bool, as_json: bool) -> None:
+             seed: int, quiet: bool, as_json: bool, report_path: str | None) -> None:
     """Find the fastest settings for MODEL on this machine and save them as a profile.
 
     Running the same command again resumes the study; Ctrl-C stops the running trial and still
@@ -491,9 +493,13 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
       offload-tuner tune --demo
       offload-tuner tune model-Q4_K_M.gguf --variant model-Q5_K_M.gguf --min-ctx 8192 --trials 30
       offload-tuner tune model.gguf --variant ./quants/ --objective mixed --time-budget 1800
+      offload-tuner tune model.gguf --trials 30 --report tune.html
     """
     from ..search.study import tune
 
+    if report_path and report_path.lower().endswith(".gguf"):
+        raise click.UsageError(f"--report takes the report's file name, not a model ({report_path}): "
+                               "put --report after MODEL, or give it a .html name")
     if demo:
         if model:
             raise click.UsageError("give MODEL or --demo, not both")
@@ -529,11 +535,17 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
         if option is None:
             raise
         raise SettingsError(option, str(exc)[len(exc.field) + 2:]) from None
+    report = _tune_report(result, report_path, storage) if report_path is not None else None
     if as_json or quiet:
         if as_json:
-            click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+            data = result.to_dict()
+            if report is not None:
+                data["report"] = str(report)
+            click.echo(json.dumps(data, indent=2, default=str))
         elif result.profile_path:
             click.echo(str(result.profile_path))
+        if quiet and not as_json and report is not None:
+            click.echo(str(report))
         _tune_exit(result)
         return
     best = result.best
@@ -554,6 +566,8 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
                f"out-of-memory boundary), {c['oom']} out of memory, {c['failed']} failed")
     if result.profile_path:
         click.echo(f"profile: {result.profile_path}")
+    if report is not None:
+        click.echo(f"report: {report}")
     from ..engine.settings import Settings
 
     click.echo(f"llama-server flags: {Settings.from_dict(best['settings']).command_line('llama-server')}")
@@ -570,6 +584,18 @@ def _tune_exit(result: Any) -> None:
         sys.exit(2)
     if result.interrupted:
         sys.exit(130)
+
+
+def _tune_report(result: Any, report_path: str, storage: str | None) -> Path:
+    """The HTML report of the study just tuned (``tune --report``)."""
+    from ..paths import data_dir, study_storage_url
+    from ..report.html import write_report
+
+    path = Path(report_path) if report_path else data_dir() / "reports" / f"{result.study_name}.html"
+    # from the profile: it names the study, and its winner is the re-measured one
+    source = str(result.profile_path) if result.profile_path else result.study_name
+    written = write_report(source, out=path, storage=storage or study_storage_url())
+    return written.path
 
 
 @cli.command("rpc-serve")
@@ -603,10 +629,12 @@ def _mount_subcommands() -> None:
     from .diagnose import register as register_diagnose
     from .profile import profile_group
     from .quality import quality_cmd
+    from .report import report_cmd
 
     cli.add_command(profile_group)
     cli.add_command(quality_cmd)
     register_diagnose(cli)
+    cli.add_command(report_cmd)
 
 
 _mount_subcommands()

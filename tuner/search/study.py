@@ -37,7 +37,7 @@ from ..errors import SettingsError, StudyError, TunerError
 from ..machine.probe import Machine, probe
 from ..model.estimate import MemoryEstimate
 from ..model.inspect import ModelInfo
-from ..paths import ensure_writable, studies_dir
+from ..paths import ensure_writable, studies_dir, study_storage_url
 from ..profile.document import Profile, output_folder
 from .candidates import Candidates, accelerator_devices, settings_key
 from .interrupt import CtrlC
@@ -177,7 +177,7 @@ class Tuner:
             self.space = dataclasses.replace(self.space, **{k: tuple(v) for k, v in space_overrides.items()})
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, vram_margin)
         # a SQLAlchemy URL; or an Optuna storage object (simulations keep their studies in memory)
-        self._storage = storage or f"sqlite:///{studies_dir() / 'studies.db'}"
+        self._storage = storage or study_storage_url()
         self.storage = self._storage if isinstance(self._storage, str) else f"{type(self._storage).__name__} (not saved)"
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
         self.engine = engine
