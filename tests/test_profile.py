@@ -188,6 +188,17 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "runner_up": {"settings": {**winner, "flash_attn": "auto"}, "pp": stats(6050.0), "tg": stats(140.9)},
         "trials": {"run": 41, "pruned": 12, "oom": 3, "failed": 0},
         "study": {"name": "qwen3-8b--0123456789abcdef", "storage": "sqlite:///studies.db"},
+        "quality": {
+            "kl": {"mean": 0.0412, "median": 0.0125, "p99": 0.61},
+            "top1_agreement": 0.912,
+            "ppl": 9.87,
+            "ppl_ratio": 1.021,
+            "reference": {"file_name": "qwen3-8b-BF16.gguf", "sha256": "ab" * 32},
+            "corpus_sha256": "cd" * 32,
+            "n_ctx": 512,
+            "chunks": 20,
+        },
+        "quality_budget": {"max_kl": 0.05, "max_ppl_increase": None, "min_tg": None, "min_pp": None, "target_met": None},
     }
 
 
@@ -228,6 +239,12 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
 @pytest.mark.parametrize(
     "change, message",
     [
+        (lambda d: d["quality"].update(top1_agreement=1.5), "quality.top1_agreement: expected a share between 0 and 1, got 1.5"),
+        (lambda d: d["quality"]["reference"].update(sha256="xyz"), "quality.reference.sha256: expected a lowercase hex sha256, got 'xyz'"),
+        (lambda d: d["quality"]["kl"].pop("p99"), "quality.kl.p99: missing"),
+        (lambda d: d["quality"].update(chunks=0), "quality.chunks: expected an integer >= 1, got 0"),
+        (lambda d: d["quality_budget"].update(target_met="yes"), "quality_budget.target_met: expected true, false or null, got 'yes'"),
+        (lambda d: d["quality_budget"].update(max_kl=-1), "quality_budget.max_kl: expected a number >= 0, got -1"),
         (lambda d: d["settings"].update(tensor_split=[1, -1]), "settings.tensor_split[1]: expected a proportion >= 0, got -1"),
         (lambda d: d["settings"].update(n_ctx="4096"), "settings.n_ctx: expected an integer, got '4096'"),
         (lambda d: d["settings"].update(n_gpu_layer=10), "settings.n_gpu_layer: unknown setting; known: flash_attn, main_gpu, model_path, n_batch, n_ctx, n_gpu_layers, n_threads, n_threads_batch, n_ubatch, offload_kqv, op_offload, rpc_servers, split_mode, tensor_overrides, tensor_split, type_k, type_v, use_mlock, use_mmap"),
@@ -249,8 +266,8 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d.update(layers_offloaded=38), "layers_offloaded: expected at most layers_total (37), got 38"),
         (lambda d: d["trials"].update(oom=None), "trials.oom: expected an integer, got null"),
         (lambda d: d.update(study={"name": ""}), "study.name: expected a non-empty string, got ''"),
-        (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study"),
-        (lambda d: d.update(schema_version=1.0), "schema_version: expected \"MAJOR.MINOR\" such as \"1.0\", got 1.0"),
+        (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study, quality, quality_budget"),
+        (lambda d: d.update(schema_version=1.0), "schema_version: expected \"MAJOR.MINOR\" such as \"1.1\", got 1.0"),
     ],
 )
 def test_each_bad_field_is_named_by_its_dotted_path(change, message):
@@ -283,7 +300,7 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
     with pytest.warns(SchemaVersionWarning) as caught:
         profile = Profile.from_dict(document)
     assert [str(w.message) for w in caught] == [
-        "profile schema 1.3 is newer than this tool (1.0); loading it; ignoring what it does not know: "
+        "profile schema 1.3 is newer than this tool (1.1); loading it; ignoring what it does not know: "
         "energy, settings.n_cpu_moe, measured.tg.p90. Upgrade offload-tuner to use everything in it"
     ]
     assert profile.schema_version == "1.3"
@@ -292,9 +309,31 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
 
 def test_newer_minor_without_unknown_keys_warns_too():
     document = profile_dict()
-    document["schema_version"] = "1.1"
-    with pytest.warns(SchemaVersionWarning, match=r"^profile schema 1.1 is newer than this tool \(1.0\); loading it. Upgrade"):
+    document["schema_version"] = "1.2"
+    with pytest.warns(SchemaVersionWarning, match=r"^profile schema 1.2 is newer than this tool \(1.1\); loading it. Upgrade"):
         Profile.from_dict(document)
+
+
+def test_a_1_0_profile_without_quality_still_loads_and_stays_1_0():
+    document = profile_dict()
+    document["schema_version"] = "1.0"
+    del document["quality"], document["quality_budget"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile = Profile.from_dict(document)
+    assert profile.quality is None and profile.quality_budget is None and profile.schema_version == "1.0"
+    # written again, it is still a document a 1.0 reader accepts: no keys it does not know
+    assert profile.to_dict() == json.loads(json.dumps(document))
+
+
+def test_the_quality_a_profile_records():
+    profile = Profile.from_dict(profile_dict())
+    assert profile.quality.kl_mean == 0.0412 and profile.quality.reference_file == "qwen3-8b-BF16.gguf"
+    assert (profile.quality.n_ctx, profile.quality.chunks) == (512, 20)
+    assert profile.quality_budget.max_kl == 0.05 and profile.quality_budget.target_met is None
+    document = profile_dict()
+    document["quality"] = document["quality_budget"] = None  # a tune of one file, asked nothing
+    assert Profile.from_dict(document).quality is None
 
 
 def test_the_same_minor_version_loads_without_a_warning():

@@ -88,7 +88,8 @@ def test_no_gpu_tune_writes_a_valid_profile(models, tuner_home):
     data = json.loads(result.profile_path.read_text())
     profile = Profile.from_dict(data)  # validates against the schema
     assert read_profile(result.profile_path) == profile
-    assert data["schema_version"] == "1.0" and data["objective"] == "tg" and data["min_ctx"] == 512
+    assert data["schema_version"] == "1.1" and data["objective"] == "tg" and data["min_ctx"] == 512
+    assert data["quality"] is None and data["quality_budget"] is None  # the scripted engine scores no text
     assert data["trials"]["run"] == 6 and data["trials"]["oom"] == 0
     assert data["measured"]["tg"]["median"] > 0 and len(data["measured"]["tg"]["samples"]) == 3
     assert data["model"]["header_hash"] == infos[data["settings"]["model_path"]].header_hash

@@ -412,12 +412,28 @@ class _Progress:
     """Live progress on a terminal: trial n of N, the settings, the outcome, the best so far, time left."""
 
     def __init__(self, quiet: bool) -> None:
+        from .quality import QualityProgress
+
         self.quiet = quiet
+        self.quality = QualityProgress(quiet)
 
     def __call__(self, e: dict[str, Any]) -> None:
         if self.quiet:
             return
         kind = e["kind"]
+        if kind == "quality_excluded":
+            click.echo(f"not tuned: {Path(e['path']).name}: {e['reason']}", err=True)
+            return
+        if kind == "quality_skipped":
+            click.echo(f"quality not measured: {e['reason']}", err=True)
+            return
+        if kind == "target_missed":
+            when = " after the re-measure" if e.get("after_remeasure") else ""
+            click.echo(f"no configuration reaches the target{when}: the best found is tg {e.get('best_tg') or 0:.1f} t/s, "
+                       f"pp {e.get('best_pp') or 0:.1f} t/s; the profile will be the fastest", err=True)
+            return
+        if self.quality(e):
+            return
         out = lambda text: click.echo(text, err=True)  # noqa: E731  (stdout stays for results)
         if kind == "start":
             out(f"study {e['study']} ({'resumed: ' + str(e['done']) + ' candidates known' if e['resumed'] else 'new'}) "
@@ -475,6 +491,23 @@ class _Progress:
               help="Write the profile to this file, or into this folder (default: the data folder's profiles).")
 @click.option("--trial-timeout", type=float, default=300, show_default=True, help="Kill a trial after this many seconds.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-kl", type=float, default=None,
+              help="Quality budget: variants whose mean KL divergence from the reference is above this are not tuned.")
+@click.option("--max-ppl-increase", type=float, default=None,
+              help="Quality budget: variants whose perplexity is more than this many percent above the reference's are not tuned.")
+@click.option("--min-tg", type=float, default=None,
+              help="Target mode: among configurations reaching this generation speed (t/s), the highest-quality variant wins.")
+@click.option("--min-pp", type=float, default=None, help="Target mode, for prompt speed (t/s); with or without --min-tg.")
+@click.option("--reference", type=click.Path(), default=None,
+              help="Measure quality against this file (default: the variant with the most bits per weight).")
+@click.option("--corpus", type=click.Path(), default=None, help="UTF-8 text for quality, as in `quality` (default: the packaged one).")
+@click.option("--chunks", type=int, default=20, show_default=True, help="Chunks scored for quality, as in `quality`.")
+@click.option("--ctx", "quality_ctx", type=int, default=512, show_default=True, help="Tokens per quality chunk, as in `quality`.")
+@click.option("--quantize", "quantize_types", default=None,
+              help="Make these variants of MODEL first (llama.cpp's quantizer, cached), e.g. Q4_K_M,Q5_K_M,Q6_K,Q8_0.")
+@click.option("--imatrix", type=click.Path(), default=None, help="Importance matrix for --quantize.")
+@click.option("--allow-requantize", is_flag=True, help="Let --quantize start from an already-quantized MODEL.")
+@click.option("--no-quality", is_flag=True, help="Skip measuring the variants' quality (speed only) when no budget or target needs it.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress; print only the profile path (and the report's, with --report).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress).")
 @click.option("--report", "report_path", is_flag=False, flag_value="", default=None, metavar="[FILE.html]",
@@ -482,11 +515,15 @@ class _Progress:
 def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
              objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int,
              rpc: str | None, storage: str | None, study_name: str | None, out: str | None, trial_timeout: float,
-             seed: int, quiet: bool, as_json: bool, report_path: str | None) -> None:
+             seed: int, max_kl: float | None, max_ppl_increase: float | None, min_tg: float | None, min_pp: float | None,
+             reference: str | None, corpus: str | None, chunks: int, quality_ctx: int, quantize_types: str | None,
+             imatrix: str | None, allow_requantize: bool, no_quality: bool, quiet: bool, as_json: bool,
+             report_path: str | None) -> None:
     """Find the fastest settings for MODEL on this machine and save them as a profile.
 
     Running the same command again resumes the study; Ctrl-C stops the running trial and still
-    writes the best profile so far.
+    writes the best profile so far. With variants, each one's quality is measured first (cached)
+    and the tune ends with the trade: each variant's best speed and its quality.
 
     \b
     Examples:
@@ -494,6 +531,8 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
       offload-tuner tune model-Q4_K_M.gguf --variant model-Q5_K_M.gguf --min-ctx 8192 --trials 30
       offload-tuner tune model.gguf --variant ./quants/ --objective mixed --time-budget 1800
       offload-tuner tune model.gguf --trials 30 --report tune.html
+      offload-tuner tune model-F16.gguf --quantize Q4_K_M,Q6_K,Q8_0 --max-kl 0.05
+      offload-tuner tune model-F16.gguf --quantize Q4_K_M,Q6_K,Q8_0 --min-tg 30
     """
     from ..search.study import tune
 
@@ -513,6 +552,9 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
         if min_ctx == 4096:
             min_ctx = 1024
         n_prompt, n_gen = min(n_prompt, 256), min(n_gen, 64)
+        # a quick look at the quality trade: a few chunks (the numbers of a random-weight model
+        # only show that quantization costs, not how much a trained model loses)
+        chunks, quality_ctx = min(chunks, 4), min(quality_ctx, 256)
     if not model:
         raise click.UsageError("give a MODEL (a .gguf file), or --demo")
     from ..model.gguf import check_path
@@ -526,12 +568,16 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
                       min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
                       vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
                       rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
-                      on_event=_Progress(quiet or as_json))
+                      on_event=_Progress(quiet or as_json), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+                      min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,
+                      quality_ctx=quality_ctx, quantize=quantize_types or (), imatrix=imatrix,
+                      allow_requantize=allow_requantize, measure_quality=not no_quality)
     except SettingsError as exc:
         # the API names its arguments (time_budget); the command line names its options
         option = {"time_budget": "--time-budget", "trial_timeout": "--trial-timeout", "min_ctx": "--min-ctx",
                   "depth": "--depth", "n_prompt": "--n-prompt", "n_gen": "--n-gen", "repetitions": "--repetitions",
-                  "trials": "--trials", "objective": "--objective"}.get(exc.field)
+                  "trials": "--trials", "objective": "--objective", "max_kl": "--max-kl",
+                  "max_ppl_increase": "--max-ppl-increase", "min_tg": "--min-tg", "min_pp": "--min-pp"}.get(exc.field)
         if option is None:
             raise
         raise SettingsError(option, str(exc)[len(exc.field) + 2:]) from None
@@ -571,6 +617,10 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     from ..engine.settings import Settings
 
     click.echo(f"llama-server flags: {Settings.from_dict(best['settings']).command_line('llama-server')}")
+    if result.target is not None:
+        click.echo(format_target(result.target, result.best))
+    if result.trade:
+        click.echo(format_trade(result.trade, result.quality))
     if result.interrupted:
         click.echo("interrupted: run the same command again to resume the study", err=True)
     _tune_exit(result)
@@ -596,6 +646,32 @@ def _tune_report(result: Any, report_path: str, storage: str | None) -> Path:
     source = str(result.profile_path) if result.profile_path else result.study_name
     written = write_report(source, out=path, storage=storage or study_storage_url())
     return written.path
+
+
+def format_target(target: dict[str, Any], best: dict[str, Any]) -> str:
+    asked = " and ".join(f"{name} {target[key]:g} t/s" for key, name in (("min_tg", "--min-tg"), ("min_pp", "--min-pp"))
+                         if target.get(key) is not None)
+    if target["met"]:
+        return f"target {asked}: reached; the highest-quality variant that reaches it won ({Path(best['settings']['model_path']).name})"
+    found = ", ".join(f"{k[5:]} {target[k]:.1f} t/s" for k in ("best_tg", "best_pp") if target.get(k) is not None)
+    return f"target {asked}: NOT reached by any configuration tried; the best speed found: {found}. The profile is the fastest."
+
+
+def format_trade(rows: list[dict[str, Any]], report: Any) -> str:
+    """The trade: each variant's best speed found and its quality, best quality first."""
+    ref = Path(report.reference).name if report is not None else "?"
+    lines = [f"the trade (quality against {ref}; speed: the best this tune found):",
+             f"  {'variant':<30} {'bpw':>5} {'KL mean':>9} {'PPL ratio':>9} {'top-1':>7} {'tg t/s':>8} {'pp t/s':>8}"]
+    for r in rows:
+        q, b = r["quality"] or {}, r["best"] or {}
+        speed = (f"{b['tg']:8.1f} " if b.get("tg") is not None else f"{'-':>8} ") + (f"{b['pp']:8.1f}" if b.get("pp") is not None else f"{'-':>8}")
+        quality = (f"{q['bits_per_weight']:5.2f} {q['kl_mean']:9.5f} {q['ppl_ratio']:9.4f} {q['top1_agreement'] * 100:6.1f}%"
+                   if q else f"{'':5} {'':9} {'':9} {'':7}")
+        line = f"  {r['variant'][:30]:<30} {quality} {speed}"
+        if r.get("excluded"):
+            line = f"  {r['variant'][:30]:<30} {quality}   not tuned: {r['excluded']}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 @cli.command("rpc-serve")

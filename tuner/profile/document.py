@@ -13,12 +13,13 @@ newer minor version of the same major loads with a ``SchemaVersionWarning``; the
 know are ignored, at any depth, and the warning names them. In the current or an older minor version an
 unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
 
-The document (schema 1.0); sizes are bytes, speeds tokens per second:
+The document (schema 1.1); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
+``quality_budget``; a 1.0 document (without them) loads as it always did:
 
 =============================  ===============================================================================
 key                            meaning
 =============================  ===============================================================================
-``schema_version``             ``"1.0"``
+``schema_version``             ``"1.1"``
 ``tool_version``               the offload-tuner version that wrote it
 ``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
 ``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
@@ -47,6 +48,13 @@ key                            meaning
 ``runner_up``                  ``null``, or ``{settings, pp, tg}`` when the second best was within noise
 ``trials``                     ``{run, pruned, oom, failed}``
 ``study``                      ``null``, or ``{name, storage}`` of the Optuna study it came from
+``quality``                    ``null``, or the chosen variant's quality against the reference (as
+                               ``offload-tuner quality`` measures it): ``kl`` ``{mean, median, p99}``,
+                               ``top1_agreement``, ``ppl``, ``ppl_ratio``, ``reference`` ``{file_name, sha256}``,
+                               ``corpus_sha256``, ``n_ctx``, ``chunks``
+``quality_budget``             ``null``, or what the tune was asked: ``max_kl``, ``max_ppl_increase`` (percent),
+                               ``min_tg``, ``min_pp`` (each ``null`` when not asked) and ``target_met``
+                               (``null`` without a target)
 =============================  ===============================================================================
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
@@ -73,7 +81,7 @@ from ..engine.settings import Settings
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 BUNDLE_VERSION = "1.0"
 OBJECTIVES = ("tg", "pp", "mixed")
 # A profile is a few KiB; refuse to parse anything absurd (a wrong file on the search path).
@@ -257,6 +265,34 @@ class StudyRef:
 
 
 @dataclass(frozen=True)
+class QualityInfo:
+    """The chosen variant's quality against the reference (``tuner.search.quality``)."""
+
+    kl_mean: float
+    kl_median: float
+    kl_p99: float
+    top1_agreement: float
+    ppl: float
+    ppl_ratio: float
+    reference_file: str
+    reference_sha256: str
+    corpus_sha256: str
+    n_ctx: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class QualityBudgetInfo:
+    """What the tune was asked: a quality budget, a speed target, or both (``None``: not asked)."""
+
+    max_kl: float | None = None
+    max_ppl_increase: float | None = None
+    min_tg: float | None = None
+    min_pp: float | None = None
+    target_met: bool | None = None
+
+
+@dataclass(frozen=True)
 class Profile:
     """One profile. Build it in code, then ``validate()``; or read one with ``read_profile``.
 
@@ -280,6 +316,8 @@ class Profile:
     layers_offloaded: int | None = None
     runner_up: RunnerUp | None = None
     study: StudyRef | None = None
+    quality: QualityInfo | None = None
+    quality_budget: QualityBudgetInfo | None = None
     schema_version: str = SCHEMA_VERSION
     path: str | None = field(default=None, compare=False)
     degradation: tuple[str, ...] = field(default=(), compare=False)
@@ -322,13 +360,17 @@ class Profile:
         trials: Mapping[str, int],
         runner_up: Mapping[str, Any] | None = None,
         study: Mapping[str, Any] | None = None,
+        quality: Mapping[str, Any] | None = None,
+        quality_budget: Mapping[str, Any] | None = None,
     ) -> "Profile":
         """The profile of a finished tune, validated as a reader will read it. The schema version,
         the tool version and the time are this module's to set.
 
         ``model`` is ``ModelInfo.fingerprint()``; ``measured`` is ``{pp, tg, n_prompt, n_gen, depth}``
         with ``Stats`` dicts; ``memory`` is ``{predicted, actual}`` per device; ``sizing`` as the
-        document's ``sizing``; ``study`` is ``{name, storage}`` with any password already removed.
+        document's ``sizing``; ``study`` is ``{name, storage}`` with any password already removed;
+        ``quality`` and ``quality_budget`` are the document's (``None`` when the tune measured none /
+        was asked none).
         """
         machine_info = MachineInfo.from_machine(machine)
         build = LlamaBuildInfo.from_build(machine.llama)
@@ -350,11 +392,13 @@ class Profile:
             "runner_up": dict(runner_up) if runner_up is not None else None,
             "trials": dict(trials),
             "study": dict(study) if study is not None else None,
+            "quality": dict(quality) if quality is not None else None,
+            "quality_budget": dict(quality_budget) if quality_budget is not None else None,
         }
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema_version": self.schema_version,
             "tool_version": self.tool_version,
             "created_at": self.created_at,
@@ -388,6 +432,12 @@ class Profile:
             "trials": _asdict(self.trials),
             "study": None if self.study is None else _asdict(self.study),
         }
+        # 1.1's keys only in a 1.1 (or later) document: a 1.0 profile written again stays one a
+        # 1.0 reader accepts (it refuses keys it does not know in its own version).
+        if _major_minor(self.schema_version) >= (1, 1):
+            out["quality"] = None if self.quality is None else _quality_dict(self.quality)
+            out["quality_budget"] = None if self.quality_budget is None else _asdict(self.quality_budget)
+        return out
 
     def validate(self) -> None:
         """Check a profile built in code against the schema, as a reader will."""
@@ -677,7 +727,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         (
             "schema_version", "tool_version", "created_at", "machine", "llama_build", "model", "settings",
             "min_ctx", "objective", "measured", "memory", "sizing", "layers_offloaded", "layers_total",
-            "runner_up", "trials", "study",
+            "runner_up", "trials", "study", "quality", "quality_budget",
         ),
         ctx,
     )  # fmt: skip
@@ -788,6 +838,9 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         st = _obj(st, "study", ("name", "storage"), ctx)
         study = StudyRef(_str(st, "name", "study"), _str(st, "storage", "study", nullable=True, default=None))
 
+    quality = _quality(_get(top, "quality", "", None), ctx)
+    quality_budget = _quality_budget(_get(top, "quality_budget", "", None), ctx)
+
     return Profile(
         schema_version=top["schema_version"],
         tool_version=tool_version,
@@ -806,10 +859,58 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         layers_offloaded=layers_offloaded,
         runner_up=runner_up,
         study=study,
+        quality=quality,
+        quality_budget=quality_budget,
     )
 
 
+def _optional_number(data: Mapping[str, Any], key: str, path: str) -> float | None:
+    value = _get(data, key, path, None)
+    return None if value is None else _number(value, _join(path, key))
+
+
+def _quality(value: Any, ctx: _Context) -> QualityInfo | None:
+    if value is None:
+        return None
+    q = _obj(value, "quality", ("kl", "top1_agreement", "ppl", "ppl_ratio", "reference", "corpus_sha256", "n_ctx", "chunks"), ctx)
+    kl = _obj(_get(q, "kl", "quality"), "quality.kl", ("mean", "median", "p99"), ctx)
+    ref = _obj(_get(q, "reference", "quality"), "quality.reference", ("file_name", "sha256"), ctx)
+    top1 = _number(_get(q, "top1_agreement", "quality"), "quality.top1_agreement")
+    if top1 > 1:
+        raise ProfileValidationError("quality.top1_agreement", f"expected a share between 0 and 1, got {top1}")
+    return QualityInfo(
+        kl_mean=_number(_get(kl, "mean", "quality.kl"), "quality.kl.mean"),
+        kl_median=_number(_get(kl, "median", "quality.kl"), "quality.kl.median"),
+        kl_p99=_number(_get(kl, "p99", "quality.kl"), "quality.kl.p99"),
+        top1_agreement=top1,
+        ppl=_number(_get(q, "ppl", "quality"), "quality.ppl"),
+        ppl_ratio=_number(_get(q, "ppl_ratio", "quality"), "quality.ppl_ratio"),
+        reference_file=_str(ref, "file_name", "quality.reference"),
+        reference_sha256=_str(ref, "sha256", "quality.reference", pattern=_HEX_RE, hint="a lowercase hex sha256"),
+        corpus_sha256=_str(q, "corpus_sha256", "quality", pattern=_HEX_RE, hint="a lowercase hex sha256"),
+        n_ctx=_int(q, "n_ctx", "quality", minimum=1),
+        chunks=_int(q, "chunks", "quality", minimum=1),
+    )
+
+
+def _quality_budget(value: Any, ctx: _Context) -> QualityBudgetInfo | None:
+    if value is None:
+        return None
+    path = "quality_budget"
+    b = _obj(value, path, ("max_kl", "max_ppl_increase", "min_tg", "min_pp", "target_met"), ctx)
+    met = _get(b, "target_met", path, None)
+    if met is not None and not isinstance(met, bool):
+        raise ProfileValidationError(f"{path}.target_met", f"expected true, false or null, got {_kind(met)}")
+    return QualityBudgetInfo(*(_optional_number(b, k, path) for k in ("max_kl", "max_ppl_increase", "min_tg", "min_pp")), met)
+
+
 # -- serializing -------------------------------------------------------------------------------
+
+
+def _quality_dict(q: QualityInfo) -> dict[str, Any]:
+    return {"kl": {"mean": q.kl_mean, "median": q.kl_median, "p99": q.kl_p99}, "top1_agreement": q.top1_agreement,
+            "ppl": q.ppl, "ppl_ratio": q.ppl_ratio, "reference": {"file_name": q.reference_file, "sha256": q.reference_sha256},
+            "corpus_sha256": q.corpus_sha256, "n_ctx": q.n_ctx, "chunks": q.chunks}
 
 
 def _asdict(obj: Any) -> dict[str, Any]:
@@ -844,6 +945,8 @@ __all__ = [
     "RunnerUp",
     "Trials",
     "StudyRef",
+    "QualityInfo",
+    "QualityBudgetInfo",
     "ProfileWarning",
     "SchemaVersionWarning",
     "LlamaBuildWarning",

@@ -56,7 +56,6 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ModelError, QualityError
 from ..model.inspect import ModelInfo, inspect
-from ..engine.base import Stats
 from ..engine.scoring import MAX_TOP, TAIL_MASS, ScoringJob, ScoringResult, check_reference, load
 from ..engine.settings import Settings
 from ..paths import data_dir
@@ -216,10 +215,25 @@ def summarize(path: str, sha256: str, info: ModelInfo, arrays: dict[str, Any], *
 
 
 def _mean_ci(values: Any) -> tuple[float, float, float]:
-    """Mean and its 95% confidence interval over the tokens (Student t, as every interval here)."""
-    s = Stats.of([float(x) for x in values])
-    assert s is not None
-    return s.mean, s.ci_low, s.ci_high
+    """Mean and its 95% confidence interval over the tokens (Student t). The values may be signed
+    (NLL differences), so nothing is clamped."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    mean = float(x.mean())
+    if len(x) < 2:
+        return mean, mean, mean
+    half = _t975(len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
+    return mean, mean - half, mean + half
+
+
+def _t975(df: int) -> float:
+    """Student t's 97.5% quantile: the normal's, corrected in powers of 1/df (Cornish-Fisher):
+    within 1% of the exact value from 3 degrees of freedom up and 0.1% from 6 (a pass scores at
+    least 7 tokens), exact in the limit."""
+    z = 1.959963984540054
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
 
 
 # -- measuring --------------------------------------------------------------------------------------

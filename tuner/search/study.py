@@ -11,6 +11,8 @@ the loop only; its collaborators do the rest:
 - ``candidates``: whether a candidate is worth a launch (the memory arithmetic against free memory,
   and what out-of-memory failures taught), and the seeds that open a study;
 - ``remeasure``: the leading candidates measured again side by side, and the winner picked;
+- ``quality`` and ``budget``: each variant's quality measured first (cached), the variants over a
+  quality budget left out, a speed target's winner picked by quality, and the trade printed;
 - ``tuner.profile.document.Profile.from_tuning``: the profile written at the end.
 
 The study lives in SQLite under the data folder (any SQLAlchemy URL works), named from the machine,
@@ -42,6 +44,8 @@ from ..profile.document import Profile, output_folder
 from .candidates import Candidates, accelerator_devices, settings_key
 from .interrupt import CtrlC
 from .objective import OBJECTIVES, score
+from .budget import QualityBudget, median, rank_for_target, trade
+from .quality import DEFAULT_CHUNKS, DEFAULT_CTX, QualityMeter, QualityReport, choose_reference
 from .remeasure import Contender, Remeasure, pick_winner
 from .space import SearchSpace, build_space
 from .variants import expand_variants, vet_variants
@@ -65,6 +69,10 @@ class TuneResult:
     interrupted: bool = False
     rejected: dict[str, str] = field(default_factory=dict)
     profile_error: str | None = None  # why the profile was not written (the study keeps the result)
+    quality: QualityReport | None = None
+    excluded: dict[str, str] = field(default_factory=dict)  # variants over the quality budget, and why
+    trade: list[dict[str, Any]] = field(default_factory=list)
+    target: dict[str, Any] | None = None  # {min_tg, min_pp, met, best_tg, best_pp} in target mode
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +86,10 @@ class TuneResult:
             "interrupted": self.interrupted,
             "rejected_variants": self.rejected,
             "excluded_dimensions": self.space.excluded,
+            "quality": self.quality.to_dict() if self.quality is not None else None,
+            "over_budget": self.excluded,
+            "trade": self.trade,
+            "target": self.target,
         }
 
 
@@ -124,6 +136,18 @@ class Tuner:
         on_event: Callable[[Event], None] | None = None,
         space_overrides: dict[str, tuple] | None = None,
         infos: Mapping[str, ModelInfo] | None = None,
+        max_kl: float | None = None,
+        max_ppl_increase: float | None = None,
+        min_tg: float | None = None,
+        min_pp: float | None = None,
+        reference: str | Path | None = None,
+        corpus: str | Path | None = None,
+        chunks: int = DEFAULT_CHUNKS,
+        quality_ctx: int = DEFAULT_CTX,
+        quantize: Sequence[str] | str = (),
+        imatrix: str | Path | None = None,
+        allow_requantize: bool = False,
+        measure_quality: bool = True,
     ) -> None:
         if objective not in OBJECTIVES:
             raise SettingsError("objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -155,12 +179,36 @@ class Tuner:
         if storage is None:
             ensure_writable(studies_dir())
 
+        self.budget = QualityBudget(max_kl=max_kl, max_ppl_increase=max_ppl_increase, min_tg=min_tg, min_pp=min_pp)
+        if quantize:
+            from ..model.quantize import make_variants
+
+            made = make_variants(model, quantize, imatrix=imatrix, allow_requantize=allow_requantize, on_event=self.emit)
+            variants = tuple(variants) + tuple(str(p) for p in made)
         vetted = vet_variants(model, variants, known=infos)
         self.main, self.models, self.rejected = vetted.main, vetted.models, vetted.rejected
         for path, why in self.rejected.items():
             self.emit({"kind": "rejected", "path": path, "reason": why})
 
         self.machine = machine or probe(rpc_servers=self.rpc_servers)
+        self.engine = engine
+        self.quality: QualityReport | None = None
+        self.excluded: dict[str, str] = {}
+        wanted = self.budget.has_limit or (measure_quality and (len(self.models) > 1 or reference is not None))
+        if wanted:
+            self.quality = self._measure_quality(reference, corpus, chunks, quality_ctx)
+        if self.quality is not None and self.budget.has_limit:
+            for path in list(self.models):
+                v = self.quality.by_path(path)
+                why = self.budget.over(v) if v is not None else None
+                if why:
+                    self.excluded[path] = why
+                    del self.models[path]
+                    self.emit({"kind": "quality_excluded", "path": path, "reason": why})
+            if not self.models:
+                raise StudyError("every variant is over the quality budget, so there is nothing to tune:\n  "
+                                 + "\n  ".join(f"{Path(p).name}: {why}" for p, why in self.excluded.items())
+                                 + "\nRaise --max-kl / --max-ppl-increase, or add a higher-precision --variant.")
         self.devices = accelerator_devices(self.machine)
         self.space = build_space(
             list(self.models.values()), devices=self.devices, physical_cores=self.machine.physical_cores,
@@ -180,7 +228,30 @@ class Tuner:
         self._storage = storage or study_storage_url()
         self.storage = self._storage if isinstance(self._storage, str) else f"{type(self._storage).__name__} (not saved)"
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
-        self.engine = engine
+
+    def _measure_quality(self, reference: str | Path | None, corpus: str | Path | None, chunks: int,
+                         n_ctx: int) -> QualityReport | None:
+        """Each variant's quality against the reference (cached in the data folder), before any
+        speed trial. None when the engine cannot score text and no budget needs it."""
+        from ..errors import ModelError, QualityError
+        from ..model.inspect import inspect
+
+        if self.engine is not None and not hasattr(self.engine, "score_corpus"):
+            if self.budget.has_limit:
+                raise QualityError(f"a quality budget needs an engine that scores text; {type(self.engine).__name__} does not")
+            self.emit({"kind": "quality_skipped", "reason": f"the engine ({type(self.engine).__name__}) cannot score text"})
+            return None
+        infos = list(self.models.values())
+        ref = inspect(reference) if reference is not None else choose_reference(infos)
+        why = self.main.same_model_as(ref)
+        if why:
+            raise ModelError(ref.path, f"not the same model as {Path(self.main.path).name}: {why}")
+        # On the accelerators when there are real ones (a model that does not fit is scored on the
+        # CPU); simulated RPC devices would only be slower than the CPU behind them.
+        gpus = bool(self.machine.gpus) and self.machine.llama.gpu_offload
+        with QualityMeter(ref, corpus=corpus, n_ctx=n_ctx, chunks=chunks, engine=self.engine, on_event=self.emit,
+                          settings={"n_gpu_layers": -1 if gpus else 0}, timeout_s=self.trial_timeout) as meter:
+            return meter.measure(infos)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -191,6 +262,10 @@ class Tuner:
         sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=4, multivariate=True)
         study = optuna.create_study(storage=self._storage, study_name=self.study_name, direction="maximize",
                                     load_if_exists=True, sampler=sampler)
+        if self.quality is not None:
+            study.set_user_attr("quality", self.quality.to_dict())
+        if self.budget.has_limit or self.budget.has_target:
+            study.set_user_attr("quality_budget", self.budget.to_dict())
         done, launched_before = self._resume(study)
         resumed = bool(done)
         if not resumed:
@@ -274,6 +349,9 @@ class Tuner:
                 duplicates_in_a_row = 0
                 trial.set_user_attr("settings_key", key)
                 trial.set_user_attr("settings", s.to_dict())
+                variant_quality = self.quality.by_path(s.model_path) if self.quality is not None else None
+                if variant_quality is not None:
+                    trial.set_user_attr("quality", variant_quality.summary())
                 est = self.candidates.estimate(s)
                 trial.set_user_attr("predicted", {d: m.to_dict() for d, m in est.devices.items()})
                 reason = self.candidates.check(s, est)
@@ -351,12 +429,34 @@ class Tuner:
             raise StudyError("no candidate ran successfully, so there is no profile to write.\n  " + "\n  ".join(failures)
                              + "\nRead the reasons above: try a smaller --min-ctx, a smaller quantization (--variant), or free memory.")
         ranked = sorted(complete, key=lambda t: t.value, reverse=True)
-        contenders = [Contender.from_trial(t) for t in ranked[: self.final_candidates]]
+        target: dict[str, Any] | None = None
+        reaching: list[Contender] = []
+        if self.budget.has_target:
+            # Target mode: among what reaches the target, the highest quality wins, then the least
+            # accelerator memory; the re-measure confirms it still reaches the target.
+            everything = [Contender.from_trial(t) for t in complete]
+            reaching = rank_for_target([c for c in everything if self.budget.reaches(median(c.pp), median(c.tg))], self.quality)
+            target = {**{k: v for k, v in self.budget.to_dict().items() if k in ("min_tg", "min_pp")}, "met": bool(reaching),
+                      "best_tg": max((median(c.tg) or 0.0 for c in everything), default=None),
+                      "best_pp": max((median(c.pp) or 0.0 for c in everything), default=None)}
+            if not reaching:
+                self.emit({"kind": "target_missed", **target})
+        contenders = reaching[: self.final_candidates] if reaching else [Contender.from_trial(t) for t in ranked[: self.final_candidates]]
         if not interrupted:
             remeasure = Remeasure(engine, objective=self.objective, bench=self.bench, repetitions=self.final_repetitions,
                                   rounds=self.final_rounds, fit_together=self.candidates.fit_together, emit=self.emit)
             contenders, interrupted = remeasure.run(contenders, ctrl_c)
-        best, second = pick_winner(contenders, self.objective)
+        if reaching:
+            confirmed = [c for c in contenders if self.budget.reaches(median(c.pp), median(c.tg))]
+            if confirmed:
+                best, second = confirmed[0], None  # already in the target's order: quality, memory, speed
+            else:
+                best, second = pick_winner(contenders, self.objective)
+                assert target is not None
+                target["met"] = False
+                self.emit({"kind": "target_missed", **target, "after_remeasure": True})
+        else:
+            best, second = pick_winner(contenders, self.objective)
         runner_up = {"settings": second.settings.to_dict(), "pp": second.pp, "tg": second.tg} if second else None
         # The study holds every trial whatever happens next; a profile that cannot be made or written
         # (a full disk, a folder gone read-only) is reported with the winner, never in its place.
@@ -364,21 +464,49 @@ class Tuner:
         path: Path | None = None
         problem = None
         try:
-            profile = self._profile(best, runner_up, counts)
+            profile = self._profile(best, runner_up, counts, target)
             path = profile.write(self.out)
         except TunerError as exc:
             problem = (f"the profile was not written: {exc}. Nothing is lost: study {self.study_name} keeps every trial; "
                        "fix this and run the same command again, it writes the profile without repeating the trials")
         best_out = best.to_dict()
+        traded = self._trade(complete, contenders)
         self.emit({"kind": "done", "profile_path": str(path) if path else None, "best": best_out, "counts": counts,
-                   "interrupted": interrupted, "profile_error": problem})
+                   "interrupted": interrupted, "profile_error": problem, "trade": traded, "target": target})
         return TuneResult(profile=profile, profile_path=path, best=best_out, runner_up=runner_up, counts=counts,
                           space=self.space, study_name=self.study_name, storage=self.storage, interrupted=interrupted,
-                          rejected=self.rejected, profile_error=problem)
+                          rejected=self.rejected, profile_error=problem, quality=self.quality, excluded=self.excluded,
+                          trade=traded, target=target)
 
-    def _profile(self, best: Contender, runner_up: dict[str, Any] | None, counts: dict[str, int]) -> Profile:
+    def _trade(self, complete: Sequence[Any], contenders: Sequence[Contender]) -> list[dict[str, Any]]:
+        """Per variant, its best speed found (re-measured figures where it was re-measured) and
+        its quality; the variants over the budget with why. Empty when quality was not measured."""
+        if self.quality is None:
+            return []
+        again = {c.number: c for c in contenders if c.remeasured}
+        best: dict[str, dict[str, Any]] = {}
+        for t in complete:
+            c = again.get(t.number) or Contender.from_trial(t)
+            path = c.settings.model_path
+            if path not in best or c.value > best[path]["value"]:
+                best[path] = {"number": c.number, "value": c.value, "pp": median(c.pp), "tg": median(c.tg),
+                              "remeasured": c.remeasured}
+        return trade(self.quality, best, self.excluded, list(self.models))
+
+    def _profile(self, best: Contender, runner_up: dict[str, Any] | None, counts: dict[str, int],
+                 target: dict[str, Any] | None = None) -> Profile:
         s = best.settings
         info = self.models[s.model_path]
+        quality = None
+        v = self.quality.by_path(s.model_path) if self.quality is not None else None
+        if v is not None and self.quality is not None:
+            quality = {"kl": {"mean": max(0.0, v.kl_mean), "median": max(0.0, v.kl_median), "p99": max(0.0, v.kl_p99)},
+                       "top1_agreement": v.top1_agreement, "ppl": v.ppl, "ppl_ratio": v.ppl_ratio,
+                       "reference": {"file_name": Path(self.quality.reference).name, "sha256": self.quality.reference_sha256},
+                       "corpus_sha256": self.quality.corpus_sha256, "n_ctx": self.quality.n_ctx, "chunks": self.quality.chunks}
+        asked = None
+        if self.budget.has_limit or self.budget.has_target:
+            asked = {**self.budget.to_dict(), "target_met": target["met"] if target is not None else None}
         kv_layer = info.kv_bytes_per_token_layer(info.kv_layers[0] if info.kv_layers else 0, s.type_k, s.type_v)
         return Profile.from_tuning(
             machine=self.machine,
@@ -397,6 +525,8 @@ class Tuner:
             runner_up=runner_up,
             trials=counts,
             study={"name": self.study_name, "storage": _redact(self.storage)},
+            quality=quality,
+            quality_budget=asked,
         )
 
 
