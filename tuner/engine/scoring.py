@@ -366,6 +366,9 @@ def score_corpus(worker: Any, request: dict[str, Any]) -> dict[str, Any]:
         entries = int(arrays["offsets"][-1])
         meta["mean_entries"] = entries / max(1, len(builder.counts))
         meta["compact_bytes"] = sum(int(a.nbytes) for name, a in arrays.items() if name != "dense")
+        # how much of the probability the compact form merged: more than tail_mass only where
+        # max_top tokens were not enough (a flat distribution over a large vocabulary)
+        meta["max_rest"] = float(arrays["rest"].max()) if len(arrays["rest"]) else 0.0
     else:
         arrays = comparer.arrays()  # type: ignore[union-attr]
     size = save(job.out, arrays, meta)

@@ -35,7 +35,7 @@ The study's attributes (``tune`` with a quality budget or ``--quantize``; the HT
 The JSON (``QualityReport.to_dict()``)::
 
     {"reference": PATH, "reference_sha256": HEX, "corpus": {"path", "sha256", "tokens"}, "n_ctx", "chunks",
-     "scored_tokens", "cache": {"path", "bytes", "reused"},
+     "scored_tokens", "cache": {"path", "bytes", "reused", "n_vocab", "entries_per_token", "max_rest"},
      "variants": {FILE_NAME: {"path", "sha256", "quantization", "bits_per_weight",
                               "kl": {"mean", "median", "p99", "ci_low", "ci_high"}, "top1_agreement",
                               "ppl": {"value", "ci_low", "ci_high"}, "ppl_ratio",
@@ -172,6 +172,9 @@ class QualityReport:
     cache_bytes: int
     cache_reused: bool
     variants: dict[str, VariantQuality] = field(default_factory=dict)
+    n_vocab: int = 0
+    entries_per_token: float = 0.0  # tokens the compact form keeps per scored position, on average
+    max_rest: float = 0.0  # the most probability it merged into "the rest" at one position
 
     def by_path(self, path: str | Path) -> VariantQuality | None:
         wanted = str(Path(path).resolve())
@@ -188,7 +191,8 @@ class QualityReport:
             "n_ctx": self.n_ctx,
             "chunks": self.chunks,
             "scored_tokens": self.scored_tokens,
-            "cache": {"path": self.cache_path, "bytes": self.cache_bytes, "reused": self.cache_reused},
+            "cache": {"path": self.cache_path, "bytes": self.cache_bytes, "reused": self.cache_reused,
+                      "n_vocab": self.n_vocab, "entries_per_token": self.entries_per_token, "max_rest": self.max_rest},
             "variants": {name: v.to_dict() for name, v in self.variants.items()},
         }
 
@@ -375,7 +379,8 @@ class QualityMeter:
             reference=self.reference.path, reference_sha256=self.sha256(self.reference), corpus_path=self.corpus_path,
             corpus_sha256=self.corpus_sha256, corpus_tokens=int(ref_meta["corpus_tokens"]), n_ctx=self.n_ctx,
             chunks=self.chunks, scored_tokens=rows, cache_path=str(ref_path), cache_bytes=ref_path.stat().st_size,
-            cache_reused=reused,
+            cache_reused=reused, n_vocab=int(ref_meta["n_vocab"]), entries_per_token=float(ref_meta.get("mean_entries") or 0.0),
+            max_rest=float(ref_meta.get("max_rest") or 0.0),
         )
         ref_arrays, _ = load(str(ref_path))
         own = {"kl": _zeros(rows), "nll": ref_arrays["nll"], "nll_base": ref_arrays["nll"], "same_top": _ones(rows)}
@@ -510,7 +515,9 @@ def format_quality(report: QualityReport) -> str:
         lines.append(f"{name[:34]:<34} {v.bits_per_weight:5.2f} {kl:>28} {v.kl_median:9.6f} {v.kl_p99:9.6f} "
                      f"{v.top1_agreement * 100:6.2f}% {v.ppl:12.4f} {ratio:>26}")
     lines.append(f"reference distributions: {report.cache_bytes / (1 << 20):.1f} MiB in {report.cache_path}"
-                 + (" (reused)" if report.cache_reused else ""))
+                 + (" (reused)" if report.cache_reused else "")
+                 + f"; {report.entries_per_token:.0f} of {report.n_vocab} tokens kept per position, "
+                 f"at most {report.max_rest * 100:.3g}% of the probability merged")
     return "\n".join(lines)
 
 
