@@ -274,6 +274,7 @@ def test_bad_input_gets_one_line_and_exit_2(family, tmp_path, models):
     not_gguf.write_text("hello")
     _one_line_error(_run(*base, "--reference", str(not_gguf)), "ref.gguf", "not a GGUF file")
     _one_line_error(_run(*base[:3], "--ctx", "63"), "--ctx must be even")
+    _one_line_error(_run("https://example.invalid/m.gguf"), "a URL", "needs the file on disk")
     _one_line_error(_run(*base[:3], "--quantize", "Q9_X"), "unknown quantization type 'Q9_X'")
     _one_line_error(_run(str(family["Q8_0"]), "--quantize", "Q4_K_M"), "already quantized (Q8_0)", "--allow-requantize")
 

@@ -31,7 +31,7 @@ def family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "Q4_K_M": quantize(f32, folder / "tf-Q4_K_M.gguf", "Q4_K_M")}
 
 
-def test_a_budget_that_excludes_q4_k_m_makes_q8_0_win(family, tuner_home):
+def test_a_budget_that_excludes_q4_k_m_makes_q8_0_win(family, tuner_home, tmp_path):
     import optuna
 
     measured = quality(family["F32"], variants=[family["Q8_0"], family["Q4_K_M"]], n_ctx=64, chunks=4)
@@ -66,6 +66,11 @@ def test_a_budget_that_excludes_q4_k_m_makes_q8_0_win(family, tuner_home):
     assert result.to_dict()["over_budget"] == tuner.excluded
     assert [r["variant"] for r in result.trade] == ["tf-Q8_0.gguf", "tf-Q4_K_M.gguf"]
     assert result.trade[1]["excluded"] and result.trade[1]["best"] is None
+    # the HTML report draws speed against quality from these attributes
+    from tuner.report.html import write_report
+
+    html = write_report(result.study_name, out=tmp_path / "r.html", storage=result.storage).path.read_text()
+    assert 'id="speed-vs-quality"' in html and 'id="speed-vs-quality-note"' not in html
 
 
 def test_a_speed_target_is_won_by_the_highest_quality_variant(family, tuner_home):

@@ -472,9 +472,12 @@ def quality(
     file to compare against (default: the most bits per weight). Raises ``QualityError``,
     ``QuantizeError`` or a ``ModelError`` on bad input, each with one line saying what to change.
     """
+    from ..model.gguf import check_path
     from .variants import expand_variants
 
     emit = on_event or (lambda event: None)
+    for path in [model, *([reference] if reference else []), *expand_variants(variants)]:
+        check_path(path)  # a URL: scoring runs the model, so it must be on disk
     main = inspect(model)
     files: list[ModelInfo] = [main]
     if quantize:
