@@ -353,6 +353,7 @@ def test_llama_loads_with_the_profile_and_overrides_win(model, folder, fake_llam
         "type_k": 1,
         "type_v": 1,
         "offload_kqv": True,
+        "swa_full": False,
         "use_mmap": True,
         "use_mlock": False,
         "op_offload": True,

@@ -70,7 +70,13 @@ def full_profile() -> Profile:
     return Profile.from_dict(document).replace(path="/team/profiles/qwen3-8b--2x3090.json")
 
 
-PROFILES = {"simple": simple_profile, "full": full_profile}
+def newer_profile() -> Profile:
+    """The settings llama.cpp gained after wave 1, away from their defaults (each exported only when set)."""
+    document = profile_dict(swa_full=True)
+    return Profile.from_dict(document).replace(path="/team/profiles/qwen3-8b--newer.json")
+
+
+PROFILES = {"simple": simple_profile, "full": full_profile, "newer": newer_profile}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -141,6 +147,7 @@ int main(int argc, char ** argv) {
     printf("no_kv_offload=%d\n", (int) params.no_kv_offload);
     printf("load_mode=%d\n", (int) params.load_mode);
     printf("no_op_offload=%d\n", (int) params.no_op_offload);
+    printf("swa_full=%d\n", (int) params.swa_full);
     for (const auto & o : params.tensor_buft_overrides) {
         if (o.pattern) printf("override=%s=%s\n", o.pattern, ggml_backend_buft_name(o.buft));
     }
@@ -196,6 +203,7 @@ def _expected(profile: Profile, model_path: str) -> dict[str, str]:
         # enum llama_load_mode (include/llama.h): AUTO -1 is the default, left as is for plain mmap
         "load_mode": str({(True, False): -1, (False, False): 0, (False, True): 2, (True, True): 3}[(s.use_mmap, s.use_mlock)]),
         "no_op_offload": str(int(not s.op_offload)),
+        "swa_full": str(int(s.swa_full)),
     }
     if s.n_threads is not None:
         expected["n_threads"] = str(s.n_threads)

@@ -7,6 +7,7 @@ shared with ``test_apps.py`` and ``test_exports.py``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from tuner.cli.profile import profile_group
+from tuner.engine.settings import Settings
 from tuner.errors import ProfileError, ProfileValidationError, SchemaVersionError
 from tuner.machine.probe import GPU, GPUProcess, LlamaBuild, Machine
 from tuner.profile.document import SCHEMA_VERSION, Profile, SchemaVersionWarning
@@ -129,6 +131,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "type_k": "f16",
         "type_v": "f16",
         "offload_kqv": True,
+        "swa_full": False,
         "use_mmap": True,
         "use_mlock": False,
         "op_offload": True,
@@ -247,7 +250,7 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d["quality_budget"].update(max_kl=-1), "quality_budget.max_kl: expected a number >= 0, got -1"),
         (lambda d: d["settings"].update(tensor_split=[1, -1]), "settings.tensor_split[1]: expected a proportion >= 0, got -1"),
         (lambda d: d["settings"].update(n_ctx="4096"), "settings.n_ctx: expected an integer, got '4096'"),
-        (lambda d: d["settings"].update(n_gpu_layer=10), "settings.n_gpu_layer: unknown setting; known: flash_attn, main_gpu, model_path, n_batch, n_ctx, n_gpu_layers, n_threads, n_threads_batch, n_ubatch, offload_kqv, op_offload, rpc_servers, split_mode, tensor_overrides, tensor_split, type_k, type_v, use_mlock, use_mmap"),
+        (lambda d: d["settings"].update(n_gpu_layer=10), "settings.n_gpu_layer: unknown setting; known: " + ", ".join(sorted(f.name for f in dataclasses.fields(Settings)))),
         (lambda d: d["runner_up"]["settings"].update(type_k="q3"), "runner_up.settings.type_k: expected one of f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, iq4_nl, bf16, got 'q3'"),
         (lambda d: d["model"].pop("size"), "model.size: missing"),
         (lambda d: d["model"].update(header_hash="not-hex"), "model.header_hash: expected a lowercase hex sha256, got 'not-hex'"),
@@ -267,7 +270,7 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d["trials"].update(oom=None), "trials.oom: expected an integer, got null"),
         (lambda d: d.update(study={"name": ""}), "study.name: expected a non-empty string, got ''"),
         (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study, quality, quality_budget"),
-        (lambda d: d.update(schema_version=1.0), "schema_version: expected \"MAJOR.MINOR\" such as \"1.1\", got 1.0"),
+        (lambda d: d.update(schema_version=1.0), f"schema_version: expected \"MAJOR.MINOR\" such as \"{SCHEMA_VERSION}\", got 1.0"),
     ],
 )
 def test_each_bad_field_is_named_by_its_dotted_path(change, message):
@@ -300,7 +303,7 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
     with pytest.warns(SchemaVersionWarning) as caught:
         profile = Profile.from_dict(document)
     assert [str(w.message) for w in caught] == [
-        "profile schema 1.3 is newer than this tool (1.1); loading it; ignoring what it does not know: "
+        f"profile schema 1.3 is newer than this tool ({SCHEMA_VERSION}); loading it; ignoring what it does not know: "
         "energy, settings.n_cpu_moe, measured.tg.p90. Upgrade offload-tuner to use everything in it"
     ]
     assert profile.schema_version == "1.3"
@@ -309,13 +312,23 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
 
 def test_newer_minor_without_unknown_keys_warns_too():
     document = profile_dict()
-    document["schema_version"] = "1.2"
-    with pytest.warns(SchemaVersionWarning, match=r"^profile schema 1.2 is newer than this tool \(1.1\); loading it. Upgrade"):
+    document["schema_version"] = "1.3"
+    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.3 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
         Profile.from_dict(document)
 
 
+def _before_1_2(document: dict) -> dict:
+    """A document as 1.0 and 1.1 wrote it: without the settings and sizing keys 1.2 added."""
+    for settings in (document["settings"], (document.get("runner_up") or {}).get("settings", {})):
+        for key in ("swa_full", "n_cpu_moe", "kv_unified"):
+            settings.pop(key, None)
+    for key in ("sliding_window", "swa_layers", "n_ctx_train"):
+        document["sizing"].pop(key, None)
+    return document
+
+
 def test_a_1_0_profile_without_quality_still_loads_and_stays_1_0():
-    document = profile_dict()
+    document = _before_1_2(profile_dict())
     document["schema_version"] = "1.0"
     del document["quality"], document["quality_budget"]
     with warnings.catch_warnings():
@@ -334,6 +347,31 @@ def test_the_quality_a_profile_records():
     document = profile_dict()
     document["quality"] = document["quality_budget"] = None  # a tune of one file, asked nothing
     assert Profile.from_dict(document).quality is None
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+def test_an_older_profile_loads_with_the_full_size_window_cache_it_was_measured_with(version):
+    """1.0 and 1.1 predate swa_full: their trials ran llama.cpp's C API default, a full-size
+    sliding-window cache, so they load with swa_full true and their exports say so (llama-server's
+    default is off). Written again, they stay what an older reader accepts."""
+    from tuner.profile.exports import export_args
+
+    document = _before_1_2(profile_dict())
+    document["schema_version"] = version
+    if version == "1.0":
+        del document["quality"], document["quality_budget"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile = Profile.from_dict(document)
+    assert profile.settings.swa_full is True and profile.runner_up.settings.swa_full is True
+    assert profile.settings.llama_kwargs()["swa_full"] is True
+    assert " --swa-full" in export_args(profile, "llama-server")
+    assert "export LLAMA_ARG_SWA_FULL=1\n" in export_args(profile, "env")
+    assert profile.to_dict() == json.loads(json.dumps(document))
+    # a current profile without the key gets llama-server's default
+    current = profile_dict()
+    del current["settings"]["swa_full"]
+    assert Profile.from_dict(current).settings.swa_full is False
 
 
 def test_the_same_minor_version_loads_without_a_warning():

@@ -15,7 +15,7 @@ from tuner.machine.probe import LlamaBuild, Machine
 from tuner.model.inspect import inspect
 from tuner.engine.outcome import Outcome
 from tuner.engine.settings import Settings
-from tuner.profile.document import Profile
+from tuner.profile.document import SCHEMA_VERSION, Profile
 from tuner.profile.store import read_profile
 from tuner.search.space import Device, build_space
 from tuner.search.study import Tuner, tune
@@ -88,7 +88,7 @@ def test_no_gpu_tune_writes_a_valid_profile(models, tuner_home):
     data = json.loads(result.profile_path.read_text())
     profile = Profile.from_dict(data)  # validates against the schema
     assert read_profile(result.profile_path) == profile
-    assert data["schema_version"] == "1.1" and data["objective"] == "tg" and data["min_ctx"] == 512
+    assert data["schema_version"] == SCHEMA_VERSION and data["objective"] == "tg" and data["min_ctx"] == 512
     assert data["quality"] is None and data["quality_budget"] is None  # the scripted engine scores no text
     assert data["trials"]["run"] == 6 and data["trials"]["oom"] == 0
     assert data["measured"]["tg"]["median"] > 0 and len(data["measured"]["tg"]["samples"]) == 3

@@ -608,6 +608,24 @@ DIMENSIONS: tuple[Dimension, ...] = (
                       depends_on=("n_gpu_layers",)),
     ),
     Dimension(
+        "swa_full", "bool", False,
+        option=Option(("--swa-full",), "Full-size KV cache on sliding-window layers (llama.cpp's C API default; "
+                      "llama-server's is a window-sized one).", switch=True),
+        llama_kwarg="swa_full", to_kwarg=lambda s: s.swa_full,
+        # llama_context_default_params() has swa_full = true (src/llama-context.cpp); the worker always
+        # sets it, so the python engine runs what the settings say, as llama-server does
+        c_api=CField("context", "swa_full", lambda s: s.swa_full),
+        flags=_server_cli(_switch(["--swa-full"], True, "swa_full")),
+        no_flag={"llama-bench": "llama-bench always runs swa_full false (llama-bench.cpp, to_llama_cparams)"},
+        env=Env("LLAMA_ARG_SWA_FULL", "1"),  # a switch: arg.cpp reads any truthy value
+        ollama=Ollama(170, note=lambda s, e: "swa_full true (a full-size sliding-window cache): no ollama equivalent"
+                      if s.swa_full else None),
+        # a full-size window cache costs memory and buys prompt-cache reuse in llama-server; for a
+        # sliding-window model it also changes speed at depth (attention over more cells)
+        search=Search(applies=lambda f, c: f.has_swa,
+                      why_not=lambda f: "the model has no sliding-window layers: there is no window cache to size"),
+    ),
+    Dimension(
         "use_mmap", "bool", True,
         model_level=True,
         option=Option(("--no-mmap",), switch=False),

@@ -61,6 +61,7 @@ class Settings:
     type_k: str = "f16"
     type_v: str = "f16"
     offload_kqv: bool = True
+    swa_full: bool = False
     use_mmap: bool = True
     use_mlock: bool = False
     op_offload: bool = True

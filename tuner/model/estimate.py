@@ -22,7 +22,8 @@ stage sits below the engine's and never imports it), following llama.cpp's place
 
 Each setting the arithmetic reads: ``n_gpu_layers`` (every layer: ``special.offloaded_layers``),
 ``tensor_split``, ``n_ctx`` (0: ``special.context_tokens``), ``n_ubatch``, ``flash_attn``
-(``special.flash_attn_forms``), ``type_k``, ``type_v``, ``offload_kqv``, ``host_overrides``,
+(``special.flash_attn_forms``), ``type_k``, ``type_v``, ``offload_kqv``, ``swa_full`` (a
+sliding-window layer holds ``min(n_ctx, n_swa + n_ubatch)`` cells unless it is set), ``host_overrides``,
 ``split_mode`` and ``main_gpu``. The others (batch, threads, mmap/mlock, op_offload) change no buffer llama.cpp allocates.
 
 Compute buffers are llama.cpp's graph allocator peaks; we model them from the largest live
@@ -190,7 +191,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     n_ubatch = settings.n_ubatch
     offload_kqv = settings.offload_kqv
     flash_attn = flash_attn_forms(settings.flash_attn).enabled
-    swa_full = False
+    swa_full = settings.swa_full
     for name, value in (("type_k", type_k), ("type_v", type_v)):
         if value not in KV_TYPE_BLOCKS:
             raise SettingsError(name, f"expected one of {', '.join(KV_TYPE_BLOCKS)}, got {value!r}")

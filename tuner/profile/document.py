@@ -13,13 +13,13 @@ newer minor version of the same major loads with a ``SchemaVersionWarning``; the
 know are ignored, at any depth, and the warning names them. In the current or an older minor version an
 unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
 
-The document (schema 1.1); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
+The document (schema 1.2); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
 ``quality_budget``; a 1.0 document (without them) loads as it always did:
 
 =============================  ===============================================================================
 key                            meaning
 =============================  ===============================================================================
-``schema_version``             ``"1.1"``
+``schema_version``             ``"1.2"``
 ``tool_version``               the offload-tuner version that wrote it
 ``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
 ``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
@@ -57,6 +57,9 @@ key                            meaning
                                (``null`` without a target)
 =============================  ===============================================================================
 
+Versions: 1.2 added settings from newer llama.cpp (``swa_full``). A 1.0 or 1.1 profile still loads,
+with the values it was measured with: ``swa_full`` true, the C API default the python engine ran then.
+
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
 
@@ -81,7 +84,7 @@ from ..engine.settings import Settings
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 BUNDLE_VERSION = "1.0"
 OBJECTIVES = ("tg", "pp", "mixed")
 # A profile is a few KiB; refuse to parse anything absurd (a wrong file on the search path).
@@ -331,7 +334,7 @@ class Profile:
         if not isinstance(data, Mapping):
             raise ProfileValidationError("profile", f"expected a JSON object, got {_kind(data)}")
         version = _schema_version(data, "schema_version", "profile")
-        ctx = _Context(lenient=version[1] > _major_minor(SCHEMA_VERSION)[1])
+        ctx = _Context(lenient=version[1] > _major_minor(SCHEMA_VERSION)[1], version=version)
         profile = _parse_profile(data, ctx)
         if ctx.lenient:
             ignored = f"; ignoring what it does not know: {', '.join(ctx.ignored)}" if ctx.ignored else ""
@@ -432,8 +435,11 @@ class Profile:
             "trials": _asdict(self.trials),
             "study": None if self.study is None else _asdict(self.study),
         }
-        # 1.1's keys only in a 1.1 (or later) document: a 1.0 profile written again stays one a
-        # 1.0 reader accepts (it refuses keys it does not know in its own version).
+        # 1.2's settings only in a 1.2 (or later) document, and 1.1's keys only in a 1.1 one: an older
+        # profile written again stays one an older reader accepts (it refuses keys it does not know in
+        # its own version). Left out, a setting reads back as the value that version implies.
+        if _major_minor(self.schema_version) < (1, 2):
+            _older_settings(out)
         if _major_minor(self.schema_version) >= (1, 1):
             out["quality"] = None if self.quality is None else _quality_dict(self.quality)
             out["quality_budget"] = None if self.quality_budget is None else _asdict(self.quality_budget)
@@ -550,6 +556,7 @@ _MISSING: Any = object()
 @dataclass
 class _Context:
     lenient: bool  # a newer minor version: unknown keys are ignored (and listed) instead of refused
+    version: tuple[int, int] = (1, 2)  # the document's schema version
     ignored: list[str] = field(default_factory=list)
 
 
@@ -682,7 +689,27 @@ def _created_at(data: Mapping[str, Any]) -> str:
     return value
 
 
+# Settings added in 1.2, with the value a profile that predates them was measured with. A 1.0 or 1.1
+# profile came from the python engine, which ran llama.cpp's C API default: a full-size
+# sliding-window cache (llama_context_default_params().swa_full is true).
+_BEFORE_1_2 = {"swa_full": True}
+
+
+def _older_settings(out: dict[str, Any]) -> None:
+    """Drop from a pre-1.2 document's settings the keys 1.2 added, when they hold the implied value
+    (a pre-1.2 profile changed in one of them is written as 1.2, the first version that says it)."""
+    blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
+    if any(block.get(key) != value for block in blocks for key, value in _BEFORE_1_2.items()):
+        out["schema_version"] = "1.2"
+        return
+    for block in blocks:
+        for key in _BEFORE_1_2:
+            block.pop(key, None)
+
+
 def _settings(value: Any, path: str, ctx: _Context) -> Settings:
+    if isinstance(value, Mapping) and ctx.version < (1, 2):
+        value = {**_BEFORE_1_2, **value}
     if ctx.lenient and isinstance(value, Mapping):
         known = {f.name for f in dataclasses.fields(Settings)}
         ctx.ignored += [_join(path, str(k)) for k in value if k not in known]
