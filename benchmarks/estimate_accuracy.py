@@ -36,6 +36,9 @@ SHAPES = {
     "demo-Q8_0": (DEMO_SHAPE, "Q8_0"),
     "wide-Q4_K_M": (ModelShape(n_layer=4, n_embd=1024, n_head=16, n_head_kv=4, n_ff=2816, n_vocab=8192), "Q4_K_M"),
     "moe-F16": (ModelShape(n_layer=4, n_embd=512, n_head=8, n_head_kv=8, n_ff=512, n_vocab=2048, n_expert=8, n_expert_used=2), None),
+    # Gemma-3-style: 10 of 12 layers slide over a 512-token window, output tied to the embedding
+    "swa-Q8_0": (ModelShape(architecture="gemma3", n_layer=12, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024, n_vocab=2048,
+                            n_ctx_train=8192, sliding_window=512), "Q8_0"),
 }
 
 
@@ -71,10 +74,12 @@ def main() -> int:
                 if endpoints:
                     n = info.n_layer + 1
                     placements += [(2, None, endpoints[:1]), (n, None, endpoints[:1]), (2, (1, 2), endpoints), (n, (1, 2), endpoints)]
-                for (ngl, split, eps), ctx, ub, fa in itertools.product(placements, (1024, 4096), (128, 512), ("on", "off")):
+                windows = (False, True) if info.sliding_window else (False,)
+                for (ngl, split, eps), ctx, ub, fa, swa_full in itertools.product(placements, (1024, 4096), (128, 512),
+                                                                                 ("on", "off"), windows):
                     settings = Settings(model_path=str(path), n_gpu_layers=ngl, tensor_split=split, n_ctx=ctx, n_batch=512,
                                         n_ubatch=ub, flash_attn=fa, n_threads=2, rpc_servers=tuple(eps),
-                                        use_mmap=False)
+                                        use_mmap=False, swa_full=swa_full)
                     result = runner.run(settings, BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
                     if not result.ok:
                         print(f"{name} ngl={ngl}: {result.outcome.value} {result.message}")
@@ -95,7 +100,8 @@ def main() -> int:
                             cells.append(f"{kind[0]}{r / MiB:.2f}/{g / MiB:.2f}")
                         cells.append("|")
                     rows += 1
-                    print(f"{name:12} ngl={ngl:2} ts={split or '-'} ctx={ctx} ub={ub} fa={fa:3} " + " ".join(cells[:-1]))
+                    swa = f" swa_full={int(swa_full)}" if info.sliding_window else ""
+                    print(f"{name:12} ngl={ngl:2} ts={split or '-'} ctx={ctx} ub={ub} fa={fa:3}{swa} " + " ".join(cells[:-1]))
     finally:
         for server in servers:
             server.stop()

@@ -11,6 +11,9 @@ from tuner.testing import ModelShape, make_model, quantize
 
 TINY = ModelShape(n_layer=4, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=512, n_ctx_train=4096)
 MOE = ModelShape(n_layer=3, n_embd=256, n_head=4, n_head_kv=4, n_ff=256, n_vocab=512, n_expert=4, n_expert_used=2)
+# Gemma-3-style: 7 of 8 layers attend to a 256-token window (every 6th layer sees everything), output tied to the embedding
+SWA = ModelShape(architecture="gemma3", n_layer=8, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, n_vocab=512,
+                 n_ctx_train=8192, sliding_window=256, swa_period=6)
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +26,8 @@ def tuner_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="session")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Small real GGUF models: F16, its Q8_0 and Q4_K_M quantizations, an MoE and a split model."""
+    """Small real GGUF models: F16, its Q8_0 and Q4_K_M quantizations, an MoE, a split model and a
+    sliding-window (gemma3) model."""
     folder = tmp_path_factory.mktemp("models")
     f16 = make_model(folder / "tiny-F16.gguf", TINY)
     return {
@@ -32,6 +36,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "q4_k_m": quantize(f16, folder / "tiny-Q4_K_M.gguf", "Q4_K_M"),
         "moe": make_model(folder / "moe-F16.gguf", MOE),
         "split": make_model(folder / "split" / "tiny.gguf", TINY, split_max_tensors=15),
+        "swa": make_model(folder / "swa-F16.gguf", SWA),
     }
 
 

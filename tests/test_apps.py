@@ -224,6 +224,26 @@ def test_then_fewer_gpu_layers_loudly_and_never_below_min_ctx(model):
     assert issubclass(ProfileDegradedWarning, ProfileAdjustedWarning)
 
 
+@pytest.mark.parametrize("swa_full, expected_ctx", [(False, 24064), (True, 31232)])
+def test_a_sliding_window_model_frees_only_what_its_caches_hold(model, swa_full, expected_ctx):
+    """Gemma-style: 30 of 36 layers slide over 1024 tokens. Without swa_full their caches hold the
+    window and a micro-batch (1536 cells) whatever the context, so shrinking the context frees only
+    the 6 full layers' KV: 200 MiB take 8534 tokens (24064 in 256-token steps). With swa_full every
+    layer's cache is context-sized: 200 MiB take 1423 tokens (31232)."""
+    per_token_layer = 4096
+    cells = {False: 6 * 32768 + 30 * 1536, True: 36 * 32768}[swa_full]
+    kv = per_token_layer * cells
+    need = 4608 * MiB + kv + 512 * MiB
+    here = make_machine(free=(need + 256 * MiB - 200 * MiB,))
+    document = profile_dict(here, model_fingerprint(model), swa_full=swa_full)
+    document["sizing"].update(sliding_window=1024, swa_layers=30)
+    document["memory"]["predicted"]["CUDA0"] = {"weights": 4608 * MiB, "kv": kv, "compute": 512 * MiB, "total": need}
+    del document["memory"]["actual"]["CUDA0"]
+    with pytest.warns(ProfileAdjustedWarning):
+        loaded = check_profile(Profile.from_dict(document), model, machine=here)
+    assert loaded.settings.n_ctx == expected_ctx and loaded.settings.n_gpu_layers == -1
+
+
 def test_strict_raises_with_the_same_explanation(model, folder):
     here = make_machine(free=(5 * GiB,), processes=((TRAINER, XORG),))
     write_profile(folder, profile_dict(here, model_fingerprint(model)))

@@ -153,3 +153,63 @@ def test_estimate_matches_what_llama_cpp_allocates_on_the_cpu(models, name):
             assert weights == pytest.approx(est.weights, rel=0.01, abs=printed)
             assert result.load.kv_buffers["CPU"] == pytest.approx(est.kv, rel=0.01, abs=printed)
             assert result.load.compute_buffers["CPU"] == pytest.approx(est.compute, rel=0.25)
+
+
+# -- sliding-window models (issue 13: a Gemma-3 cache was predicted 81% too small) -----------------------
+
+
+def _compare(result, est, device: str) -> tuple[int, int, int, int, int, int]:
+    host = device == CPU
+    weights = sum(v for k, v in result.load.model_buffers.items() if (k.startswith("CPU") if host else k == device))
+    return (weights, est.devices[device].weights, result.load.kv_buffers.get(device, 0), est.devices[device].kv,
+            result.load.compute_buffers.get(device, 0), est.devices[device].compute)
+
+
+SWA_CASES = [(4096, 512, "on"), (1000, 128, "off"), (2048, 256, "on")]
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_sliding_window_estimate_matches_llama_cpp_on_the_cpu(models, swa_full):
+    """Both window-cache sizes, on llama.cpp's real buffers: weights and KV within 1%, compute within
+    15% (benchmarks/estimate_accuracy.py --rpc prints every error)."""
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import TrialRunner
+
+    info = inspect(models["swa"])
+    assert info.sliding_window == 256 and info.swa_layers == (0, 1, 2, 3, 4, 6, 7)
+    printed = 0.006 * MiB
+    with TrialRunner() as runner:
+        for ctx, ub, fa in SWA_CASES:
+            s = at(info, n_ctx=ctx, n_batch=512, n_ubatch=ub, flash_attn=fa, n_threads=2, use_mmap=False, swa_full=swa_full)
+            result = runner.run(s, BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
+            assert result.ok, result.message
+            assert ("using full-size SWA cache" in result.log) == swa_full
+            w, w_est, kv, kv_est, c, c_est = _compare(result, estimate(info, s), CPU)
+            assert w == pytest.approx(w_est, rel=0.01, abs=printed)
+            assert kv == pytest.approx(kv_est, rel=0.01, abs=printed)
+            assert c == pytest.approx(c_est, rel=0.15)
+
+
+def test_sliding_window_estimate_matches_llama_cpp_with_an_offloaded_device(models, rpc_servers):
+    """Offloaded, the output layer takes a copy of the token embedding (a tied output head), and
+    each device holds the KQ masks of the caches its layers read."""
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import TrialRunner
+
+    info = inspect(models["swa"])
+    assert info.tied_output
+    (server,) = rpc_servers(1)
+    device = f"RPC0[{server.endpoint}]"
+    printed = 0.006 * MiB
+    with TrialRunner() as runner:
+        for ngl, swa_full in ((3, False), (3, True), (9, False)):
+            s = at(info, n_gpu_layers=ngl, n_ctx=4096, n_batch=512, n_ubatch=512, flash_attn="on", n_threads=2,
+                   use_mmap=False, swa_full=swa_full, rpc_servers=(server.endpoint,))
+            result = runner.run(s, BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
+            assert result.ok, result.message
+            est = estimate(info, s, devices=[device])
+            for name in (CPU, device):
+                w, w_est, kv, kv_est, c, c_est = _compare(result, est, name)
+                assert w == pytest.approx(w_est, rel=0.01, abs=printed), (ngl, swa_full, name)
+                assert kv == pytest.approx(kv_est, rel=0.01, abs=printed), (ngl, swa_full, name)
+                assert c == pytest.approx(c_est, rel=0.15), (ngl, swa_full, name)

@@ -155,3 +155,26 @@ def test_error_goes_to_stderr_as_one_line(tmp_path):
 
 def test_error_classes():
     assert issubclass(ModelNotFoundError, Exception) and issubclass(NotGGUFError, Exception)
+
+
+@pytest.mark.parametrize("period", [6, 3, 0])
+def test_sliding_window_layers_are_the_ones_llama_cpp_slides(tmp_path, period):
+    """inspect's window layers against llama.cpp's own load log ("layer %3d assigned to device %s,
+    is_swa = %d", src/llama-model.cpp load_tensors, 2026): period 6 is Gemma 3's, 0 slides every layer."""
+    import re
+
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import run_trial
+    from tuner.engine.settings import Settings
+    from tuner.testing import ModelShape, make_model
+
+    shape = ModelShape(architecture="gemma3", n_layer=7, n_embd=128, n_head=2, n_head_kv=1, n_ff=256, n_vocab=320,
+                       n_ctx_train=2048, sliding_window=128, swa_period=period)
+    path = make_model(tmp_path / "swa.gguf", shape)
+    info = inspect(path)
+    result = run_trial(Settings(model_path=str(path), n_ctx=512, n_batch=512, n_threads=1),
+                       BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
+    assert result.ok, result.message
+    sliding = tuple(int(m[1]) for m in re.finditer(r"layer\s+(\d+) assigned to device \S+, is_swa = 1", result.log))
+    assert info.swa_layers == sliding and info.sliding_window == 128
+    assert sliding == tuple(i for i in range(7) if period == 0 or i % period < period - 1)

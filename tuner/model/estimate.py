@@ -50,6 +50,18 @@ def pad(value: int, multiple: int) -> int:
     return ((value + multiple - 1) // multiple) * multiple
 
 
+def cache_cells(n_ctx: int, n_ubatch: int, sliding_window: int | None, swa_full: bool) -> tuple[int, int]:
+    """KV cells per layer: (a full-context layer's, a sliding-window layer's).
+
+    llama.cpp pads the context to 256 cells (llama-context.cpp); a sliding-window layer holds its
+    window and one micro-batch, padded too, or the whole context with ``swa_full``
+    (llama-kv-cache-iswa.cpp: ``GGML_PAD(min(size_base, n_swa + n_ubatch), 256)``, one sequence)."""
+    cells = pad(n_ctx, 256)
+    if swa_full or not sliding_window:
+        return cells, cells
+    return cells, pad(min(cells, sliding_window + n_ubatch), 256)
+
+
 @dataclass(frozen=True)
 class DeviceMemory:
     weights: int = 0
@@ -144,15 +156,19 @@ def compute_buffer(
     has_output: bool = True,
     has_layers: bool = True,
     host: bool = True,
+    masks: Sequence[int] | None = None,
 ) -> int:
     """llama.cpp's compute buffer for one backend that runs repeating layers and/or the output.
 
     The worst-case graph reserved at context creation has ``n_ubatch`` tokens against all
     ``n_ctx`` cells, every token an output. The graph allocator reuses memory between layers,
-    so the buffer is the KQ mask plus the largest stage:
+    so the buffer is the KQ masks plus the largest stage:
 
-    - attention: without flash attention the f32 scores (``n_ctx * n_ubatch * n_head``), plus
-      Q, K, V and four n_embd-wide rows per token;
+    - the masks: one per kind of KV cache this backend's layers read (``masks``, in cells: a
+      sliding-window model's window cache has its own, llm_graph_input_attn_kv_iswa); by default
+      one of ``n_ctx`` cells;
+    - attention: without flash attention the f32 scores (cells * ``n_ubatch`` * n_head, over the
+      largest cache the backend reads), plus Q, K, V and four n_embd-wide rows per token;
     - FFN: gate, up and their product per token (per used expert in an MoE);
     - output: the f32 logits of every token, plus five n_embd-wide rows.
 
@@ -161,12 +177,13 @@ def compute_buffer(
     """
     ub = n_ubatch
     f32 = 4
+    masks = list(masks) if masks else [n_ctx]
     n_q = model.n_head * model.head_size_k
     n_kv_embd = model.n_head_kv * model.head_size_k + model.n_head_kv * model.head_size_v
-    mask = n_ctx * ub * (2 if flash_attn else 4)
+    mask = sum(masks) * ub * (2 if flash_attn else 4)
     stages = [0]
     if has_layers:
-        scores = 0 if flash_attn else n_ctx * ub * model.n_head * f32
+        scores = 0 if flash_attn else max(masks) * ub * model.n_head * f32
         stages.append(scores + ub * (n_q + n_kv_embd + 4 * model.n_embd) * f32)
         n_ff = model.n_ff or 4 * model.n_embd
         if model.is_moe:
@@ -229,27 +246,47 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
         if device != CPU and _matches(patterns, tensor.name):
             device = CPU
         weights[device] += tensor.n_bytes
+        if tensor.name.startswith("token_embd.") and model.tied_output:
+            # the output head is a copy of the token embedding, loaded with the output layer
+            # when that layer is offloaded (on the host the one copy serves both)
+            output_device = placement[n_layer]
+            if output_device != CPU and not _matches(patterns, tensor.name):
+                weights[output_device] += tensor.n_bytes
     for il in range(n_layer):
         layers[placement[il]] += 1
 
-    # KV cache, per layer, padded cells.
-    cells = pad(n_ctx, 256)
-    swa = set(model.swa_layers)
-    swa_cells = cells if swa_full or not model.sliding_window else pad(min(cells, model.sliding_window + n_ubatch), 256)
+    # KV cache, per layer, padded cells. A sliding-window layer's cache holds the window and a
+    # micro-batch (llama_kv_cache_iswa: min(n_ctx, n_swa + n_ubatch), padded), or all of n_ctx
+    # with swa_full.
+    swa = set(model.swa_layers) if model.sliding_window else set()
+    cells, swa_cells = cache_cells(n_ctx, n_ubatch, model.sliding_window if swa else None, swa_full)
     for il in range(n_layer):
         per_token = model.kv_bytes_per_token_layer(il, type_k, type_v)
         device = placement[il] if offload_kqv else CPU
         kv[device] += per_token * (swa_cells if il in swa else cells)
 
+    # The KQ masks each backend holds: one per kind of cache its layers read (full-context and
+    # sliding-window caches each have their own); the host, which builds the graph's inputs,
+    # holds every kind the model has.
+    cells_of = {False: cells, True: swa_cells}
+    kinds: dict[str, set[bool]] = {d: set() for d in [CPU, *devices]}
+    for il in range(n_layer):
+        if il in model.kv_layers or not model.kv_layers:
+            kinds[placement[il]].add(il in swa)
+    every_kind = sorted(set().union(*kinds.values()) or {False})
+
+    def masks_of(device: str) -> list[int]:
+        return [cells_of[k] for k in sorted(kinds[device])] or [cells]
+
     # Compute buffers. Each backend that runs layers reserves its own graph peak. A host that
     # runs layers also holds the logits (they land on the host), so it gets the output stage.
-    # A host that runs no layer keeps the graph inputs: the KQ mask and a few embedding rows.
+    # A host that runs no layer keeps the graph inputs: the KQ masks and a few embedding rows.
     # With several devices and everything offloaded, llama.cpp pipelines micro-batches
     # (pipeline_parallel, GGML_SCHED_MAX_COPIES = 4 copies of the inputs).
     pipeline = (len([d for d in devices if layers[d] or placement[n_layer] == d]) > 1 and n_gpu_layers != 0
                 and placement.count(CPU) == 0 and offload_kqv and not patterns)
     copies = 4 if pipeline else 1
-    mask = cells * n_ubatch * (2 if flash_attn else 4)
+    mask_bytes = lambda m: sum(m) * n_ubatch * (2 if flash_attn else 4)  # noqa: E731
     row = n_ubatch * model.n_embd * 4
     host_runs_layers = layers[CPU] > 0 or placement[n_layer] == CPU
     compute: dict[str, int] = {}
@@ -259,14 +296,17 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
         if device == CPU:
             if host_runs_layers:
                 compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
-                                                 has_output=True, has_layers=runs_layers)
+                                                 has_output=True, has_layers=runs_layers,
+                                                 masks=[cells_of[k] for k in every_kind])
             else:
-                compute[device] = copies * mask + ((5 if flash_attn else 9) if pipeline else (2 if flash_attn else 3)) * row
+                compute[device] = (copies * mask_bytes([cells_of[k] for k in every_kind])
+                                   + ((5 if flash_attn else 9) if pipeline else (2 if flash_attn else 3)) * row)
         elif runs_layers or runs_output:
             compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
-                                             has_output=runs_output, has_layers=runs_layers, host=False)
+                                             has_output=runs_output, has_layers=runs_layers, host=False,
+                                             masks=masks_of(device))
             if pipeline:
-                compute[device] += (copies - 1) * mask + (4 if flash_attn else 7) * row
+                compute[device] += (copies - 1) * mask_bytes(masks_of(device)) + (4 if flash_attn else 7) * row
         else:
             compute[device] = 0
 

@@ -121,6 +121,20 @@ class ModelInfo:
     def is_moe(self) -> bool:
         return self.expert_count > 0
 
+    @property
+    def tied_output(self) -> bool:
+        """No ``output.weight``: llama.cpp reuses the token embedding as the output head, loading a
+        copy of it with the output layer (``TENSOR_DUPLICATED`` in src/models/*.cpp) when that
+        layer is offloaded."""
+        return not self.nonrepeating_bytes.get("output") and bool(self.nonrepeating_bytes.get("token_embd"))
+
+    @property
+    def output_layer_bytes(self) -> int:
+        """What the output layer puts on the device it is offloaded to: its norm and its head (the
+        token embedding's copy when the output is tied to it)."""
+        head = self.nonrepeating_bytes.get("token_embd", 0) if self.tied_output else self.nonrepeating_bytes.get("output", 0)
+        return head + self.nonrepeating_bytes.get("output_norm", 0)
+
     def kv_bytes_per_token_layer(self, layer: int, type_k: str = "f16", type_v: str = "f16") -> int:
         """KV bytes one token costs in one layer for the given cache types (0 for a KV-less layer)."""
         if layer not in self.kv_layers:
@@ -368,8 +382,8 @@ def _swa_layers(fields: dict[str, Any], arch: str, n_layer: int, window: int | N
     # llama.cpp's defaults by architecture (src/llama-model.cpp, set_swa_pattern): every Nth
     # layer is dense, the rest slide.
     period = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "llama4": 4}.get(arch)
-    if isinstance(pattern, int) and pattern > 0:
-        period = pattern
+    if isinstance(pattern, int):
+        period = pattern  # 0: every layer slides (llama_hparams::set_swa_pattern)
     if not period:
         return tuple(range(n_layer))
     return tuple(i for i in range(n_layer) if (i % period) < (period - 1))

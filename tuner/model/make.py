@@ -24,9 +24,19 @@ from ..errors import TunerError
 from .quantize import FTYPES, quantize_file
 
 
+ARCHITECTURES = ("llama", "gemma3")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The shape of a llama-architecture model. ``n_expert > 0`` makes a mixture of experts."""
+    """The shape of a model. ``n_expert > 0`` makes a mixture of experts (llama architecture).
+
+    ``architecture="gemma3"`` makes a Gemma-3-style model (src/models/gemma3.cpp: Q/K norms, norms
+    after attention and FFN, the output tied to the token embedding); with ``sliding_window > 0``
+    its layers attend to a window of that many tokens, except every ``swa_period``-th layer, which
+    attends to the whole context (llama.cpp's ``set_swa_pattern``: layer il slides when
+    ``il % swa_period < swa_period - 1``; Gemma 3's period is 6).
+    """
 
     n_layer: int = 4
     n_embd: int = 256
@@ -38,8 +48,17 @@ class ModelShape:
     n_expert: int = 0
     n_expert_used: int = 0
     name: str = "offload-tuner test model"
+    architecture: str = "llama"
+    sliding_window: int = 0
+    swa_period: int = 6
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {', '.join(ARCHITECTURES)}, got {self.architecture!r}")
+        if self.sliding_window and self.architecture != "gemma3":
+            raise ValueError("a sliding window needs architecture='gemma3' (llama has none)")
+        if self.n_expert and self.architecture != "llama":
+            raise ValueError("experts are made for architecture='llama' only")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
         if self.n_head % self.n_head_kv:
@@ -93,7 +112,7 @@ def make_model(
     split_max_tensors: int = 0,
     output_std: float = 0.02,
 ) -> Path:
-    """Write a llama-architecture GGUF with random weights that llama.cpp loads and runs.
+    """Write a GGUF of ``shape`` (llama or gemma3) with random weights that llama.cpp loads and runs.
 
     ``split_max_tensors > 0`` writes a split model (``NAME-00001-of-0000N.gguf`` beside ``path``)
     and returns its first part.
@@ -113,7 +132,8 @@ def make_model(
     rng = np.random.default_rng(seed)
     np_dtype = np.float16 if dtype == "F16" else np.float32
     s = shape
-    arch = "llama"
+    arch = s.architecture
+    gemma = arch == "gemma3"
     # Written under a temporary name and renamed, so a half-written model is never mistaken
     # for a whole one (a split model is written in place: its part names are fixed).
     tmp = out if split_max_tensors else out.with_name(out.name + ".part")
@@ -128,7 +148,15 @@ def make_model(
     writer.add_rope_dimension_count(s.head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(s.n_vocab)
+    if gemma:
+        writer.add_key_length(s.head_dim)
+        writer.add_value_length(s.head_dim)
+        if s.sliding_window:
+            writer.add_sliding_window(s.sliding_window)
+            writer.add_sliding_window_pattern(s.swa_period)
+            writer.add_rope_freq_base_swa(10000.0)
+    else:
+        writer.add_vocab_size(s.n_vocab)
     writer.add_file_type(FTYPES[dtype])
     if s.n_expert:
         writer.add_expert_count(s.n_expert)
@@ -159,6 +187,11 @@ def make_model(
         writer.add_tensor(f"blk.{i}.attn_k.weight", weight(kv_dim, s.n_embd))
         writer.add_tensor(f"blk.{i}.attn_v.weight", weight(kv_dim, s.n_embd))
         writer.add_tensor(f"blk.{i}.attn_output.weight", weight(s.n_embd, q_dim))
+        if gemma:
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", norm(s.head_dim))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", norm(s.head_dim))
+            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", norm(s.n_embd))
+            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", norm(s.n_embd))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", norm(s.n_embd))
         if s.n_expert:
             writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (rng.standard_normal((s.n_expert, s.n_embd), dtype=np.float32) * 0.02))
@@ -170,7 +203,8 @@ def make_model(
             writer.add_tensor(f"blk.{i}.ffn_up.weight", weight(s.n_ff, s.n_embd))
             writer.add_tensor(f"blk.{i}.ffn_down.weight", weight(s.n_embd, s.n_ff))
     writer.add_tensor("output_norm.weight", norm(s.n_embd))
-    writer.add_tensor("output.weight", weight(s.n_vocab, s.n_embd, std=output_std))
+    if not gemma:  # Gemma ties the output head to the token embedding
+        writer.add_tensor("output.weight", weight(s.n_vocab, s.n_embd, std=output_std))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -23,7 +23,10 @@ The memory model (bytes, per device; devices are llama.cpp's names in ``memory.p
   unified-memory machine an accelerator that NVML does not list shares the RAM;
 - on the host, weights read with mmap are file-backed pages and are not counted against free RAM;
 - a context smaller by ``d`` tokens frees ``kv_bytes_per_token_per_layer * layers_on_device * d``
-  on each device holding KV (``layers_on_device`` is read from the recorded KV size);
+  on each device holding KV (``layers_on_device`` is read from the recorded KV size), in llama.cpp's
+  256-cell padding; a sliding-window layer's cache holds its window and a micro-batch unless
+  ``swa_full`` (``tuner.model.estimate.cache_cells``, the estimate's own arithmetic), so it frees
+  nothing until the context drops below that;
 - one GPU layer fewer moves ``layer_weight_bytes`` and its KV from the GPUs (in proportion to their
   share of the layers) to the CPU; the first layer removed from a full offload is the output layer
   (``output_weight_bytes``, no KV).
@@ -42,8 +45,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from ..engine.dimensions import offloaded_layers
+from ..engine.dimensions import context_tokens, offloaded_layers
 from ..errors import NoMatchingProfileError, ProfileMismatchError
+from ..model.estimate import cache_cells
 from ..model.gguf import model_fingerprint
 from .document import (
     LlamaBuildWarning,
@@ -357,15 +361,16 @@ class _Plan:
         """Degrade until every pool fits; returns the changes in words (empty when it fits as is)."""
         ctx0 = self._recorded_ctx()
         kv_per_token_layer = self.sizing.kv_bytes_per_token_per_layer
-        # KV layers per pool, read from the recorded KV size (kv = per_token_layer * layers * ctx).
-        kv_layers = {id(p): (p.kv / (kv_per_token_layer * ctx0) if kv_per_token_layer and ctx0 else 0.0) for p in self.pools}
+        # KV layers per pool, read from the recorded KV size (kv = per_token_layer * layers * cells).
+        kv_layers = {id(p): (p.kv / (kv_per_token_layer * self._cells(ctx0)) if kv_per_token_layer and ctx0 else 0.0)
+                     for p in self.pools}
         short = [p for p in self.pools if not self._fits(p, p.need)]
         if not short:
             return []
         changes = []
 
         def need_at(pool: _Pool, ctx: int, moved_layers: float = 0.0, moved_output: bool = False) -> float:
-            kv_freed = kv_per_token_layer * kv_layers[id(pool)] * (ctx0 - ctx)
+            kv_freed = kv_per_token_layer * kv_layers[id(pool)] * (self._cells(ctx0) - self._cells(ctx))
             return pool.need - kv_freed + self._moved(pool, ctx, moved_layers, moved_output)
 
         # Lever 1: the context, down to min_ctx, in llama.cpp's 256-token steps.
@@ -407,10 +412,21 @@ class _Plan:
 
     # -- arithmetic
 
+    def _cells(self, ctx: int) -> float:
+        """KV cells per layer at ``ctx``, averaged over the layers: the estimate's arithmetic
+        (``cache_cells``), with the model's sliding-window layers holding their window unless
+        ``swa_full``."""
+        sizing = self.sizing
+        cells, swa_cells = cache_cells(ctx, self.settings.n_ubatch, sizing.sliding_window, self.settings.swa_full)
+        if not sizing.swa_layers:
+            return float(cells)
+        return ((sizing.n_layer - sizing.swa_layers) * cells + sizing.swa_layers * swa_cells) / sizing.n_layer
+
     def _recorded_ctx(self) -> int:
-        if self.settings.n_ctx:
-            return self.settings.n_ctx
-        # n_ctx 0 means the model's training context: recover it from the recorded KV size.
+        if self.settings.n_ctx or self.sizing.n_ctx_train:
+            return context_tokens(self.settings.n_ctx, self.sizing.n_ctx_train or 0)
+        # n_ctx 0 means the model's training context; a 1.0 profile did not record it: recover it
+        # from the recorded KV size (1.0 profiles ran full-size window caches: KV is linear in n_ctx).
         kv_total = sum(p.kv for p in self.pools)
         per_token = self.sizing.kv_bytes_per_token_per_layer * self.sizing.n_layer
         return int(kv_total / per_token) if per_token else 0
@@ -448,7 +464,7 @@ class _Plan:
         """Bytes this pool gains (host) or loses (GPU) when layers move to the CPU."""
         if not moved_layers and not moved_output:
             return 0.0
-        kv_per_layer = self.sizing.kv_bytes_per_token_per_layer * ctx if self.settings.offload_kqv else 0.0
+        kv_per_layer = self.sizing.kv_bytes_per_token_per_layer * self._cells(ctx) if self.settings.offload_kqv else 0.0
         weight = self._layer_weight_on_gpu()
         output = float(self.sizing.output_weight_bytes) if moved_output else 0.0
         if pool.is_host:

@@ -41,8 +41,10 @@ key                            meaning
                                ``{device: {weights, kv, compute}}``; devices as llama.cpp names them:
                                ``CPU``, ``CUDA0``, ``Metal``, ``Vulkan0``, ``RPC0[127.0.0.1:50052]``...
 ``sizing``                     ``n_layer``, ``layer_weight_bytes`` and ``output_weight_bytes`` (per repeating
-                               layer and output layer), ``kv_bytes_per_token_per_layer``: lets an app
-                               re-plan memory at load without reading the GGUF
+                               layer and output layer), ``kv_bytes_per_token_per_layer``,
+                               ``sliding_window`` (tokens; 0: none) and ``swa_layers`` (how many layers
+                               slide), ``n_ctx_train``: lets an app re-plan memory at load without
+                               reading the GGUF
 ``layers_offloaded``           layers llama.cpp reported on the GPU (``null`` if not reported)
 ``layers_total``               layers llama.cpp counts (the repeating layers + the output layer)
 ``runner_up``                  ``null``, or ``{settings, pp, tg}`` when the second best was within noise
@@ -57,8 +59,10 @@ key                            meaning
                                (``null`` without a target)
 =============================  ===============================================================================
 
-Versions: 1.2 added settings from newer llama.cpp (``swa_full``). A 1.0 or 1.1 profile still loads,
-with the values it was measured with: ``swa_full`` true, the C API default the python engine ran then.
+Versions: 1.2 added settings from newer llama.cpp (``swa_full``) and the model's sliding window and
+training context to ``sizing``. A 1.0 or 1.1 profile still loads, with the values it was measured
+with: ``swa_full`` true, the C API default the python engine ran then (its memory arithmetic is then
+the same with or without a window, so the sizing it lacks is not needed).
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -242,6 +246,9 @@ class Sizing:
     layer_weight_bytes: int
     output_weight_bytes: int
     kv_bytes_per_token_per_layer: float
+    sliding_window: int = 0  # tokens a sliding-window layer attends to; 0: the model has none
+    swa_layers: int = 0  # how many of the n_layer layers slide
+    n_ctx_train: int | None = None  # the model's training context (what n_ctx 0 means); None: not recorded
 
 
 @dataclass(frozen=True)
@@ -695,16 +702,24 @@ def _created_at(data: Mapping[str, Any]) -> str:
 _BEFORE_1_2 = {"swa_full": True}
 
 
+# The sizing 1.2 added, as a pre-1.2 document reads (nothing recorded).
+_SIZING_BEFORE_1_2 = {"sliding_window": 0, "swa_layers": 0, "n_ctx_train": None}
+
+
 def _older_settings(out: dict[str, Any]) -> None:
-    """Drop from a pre-1.2 document's settings the keys 1.2 added, when they hold the implied value
-    (a pre-1.2 profile changed in one of them is written as 1.2, the first version that says it)."""
+    """Drop from a pre-1.2 document the settings and sizing keys 1.2 added, when they hold the value
+    that version implies (a pre-1.2 profile changed in one of them is written as 1.2, the first
+    version that can say it)."""
     blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
-    if any(block.get(key) != value for block in blocks for key, value in _BEFORE_1_2.items()):
+    if (any(block.get(key) != value for block in blocks for key, value in _BEFORE_1_2.items())
+            or any(out["sizing"].get(key) != value for key, value in _SIZING_BEFORE_1_2.items())):
         out["schema_version"] = "1.2"
         return
     for block in blocks:
         for key in _BEFORE_1_2:
             block.pop(key, None)
+    for key in _SIZING_BEFORE_1_2:
+        out["sizing"].pop(key, None)
 
 
 def _settings(value: Any, path: str, ctx: _Context) -> Settings:
@@ -831,13 +846,19 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         actual=_devices(_get(mem, "actual", "memory", {}), "memory.actual", ctx, with_total=False),
     )
 
-    sz = _obj(_get(top, "sizing", ""), "sizing", ("n_layer", "layer_weight_bytes", "output_weight_bytes", "kv_bytes_per_token_per_layer"), ctx)
+    sz = _obj(_get(top, "sizing", ""), "sizing", ("n_layer", "layer_weight_bytes", "output_weight_bytes", "kv_bytes_per_token_per_layer",
+                                                     "sliding_window", "swa_layers", "n_ctx_train"), ctx)
     sizing = Sizing(
         n_layer=_int(sz, "n_layer", "sizing", minimum=1),
         layer_weight_bytes=_int(sz, "layer_weight_bytes", "sizing"),
         output_weight_bytes=_int(sz, "output_weight_bytes", "sizing"),
         kv_bytes_per_token_per_layer=_number(_get(sz, "kv_bytes_per_token_per_layer", "sizing"), "sizing.kv_bytes_per_token_per_layer"),
+        sliding_window=_int(sz, "sliding_window", "sizing", default=0),
+        swa_layers=_int(sz, "swa_layers", "sizing", default=0),
+        n_ctx_train=_int(sz, "n_ctx_train", "sizing", minimum=1, nullable=True, default=None),
     )
+    if sizing.swa_layers > sizing.n_layer:
+        raise ProfileValidationError("sizing.swa_layers", f"expected at most sizing.n_layer ({sizing.n_layer}), got {sizing.swa_layers}")
     if sizing.n_layer != model.n_layer:
         raise ProfileValidationError("sizing.n_layer", f"expected model.n_layer ({model.n_layer}), got {sizing.n_layer}")
 
