@@ -213,3 +213,24 @@ def test_sliding_window_estimate_matches_llama_cpp_with_an_offloaded_device(mode
                 assert w == pytest.approx(w_est, rel=0.01, abs=printed), (ngl, swa_full, name)
                 assert kv == pytest.approx(kv_est, rel=0.01, abs=printed), (ngl, swa_full, name)
                 assert c == pytest.approx(c_est, rel=0.15), (ngl, swa_full, name)
+
+
+def test_tensor_overrides_move_compute_with_their_weights(models, rpc_servers):
+    """The ops of weights kept on the host run on the host: its compute buffer grows by their
+    outputs, and a device left without a stage's weights reserves nothing for it."""
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import TrialRunner
+
+    info = inspect(models["q8_0"])
+    (server,) = rpc_servers(1)
+    device = f"RPC0[{server.endpoint}]"
+    with TrialRunner() as runner:
+        for pattern in (r"^blk\.(0|1)\.ffn_(gate|up|down)\.weight$", r"^blk\.(0|1)\.attn_(q|k|v|output)\.weight$"):
+            s = at(info, n_gpu_layers=-1, tensor_overrides=(pattern,), n_ctx=1024, n_batch=512, n_ubatch=512,
+                   flash_attn="on", n_threads=2, use_mmap=False, rpc_servers=(server.endpoint,))
+            result = runner.run(s, BenchSpec(n_prompt=0, n_gen=1, repetitions=1, warmup=False))
+            assert result.ok, result.message
+            est = estimate(info, s, devices=[device])
+            for name in (CPU, device):
+                *_, c, c_est = _compare(result, est, name)
+                assert c == pytest.approx(c_est, rel=0.15), (pattern, name, c, c_est)

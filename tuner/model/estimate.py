@@ -36,10 +36,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from ..errors import SettingsError
-from .inspect import KV_TYPE_BLOCKS, ModelInfo
+from .inspect import KV_TYPE_BLOCKS, ModelInfo, tensor_role
 from .special import context_tokens, flash_attn_forms, offloaded_layers
 
 CPU = "CPU"
@@ -147,6 +147,15 @@ def _matches(patterns: Sequence[re.Pattern[str]], name: str) -> bool:
     return any(p.search(name) for p in patterns)
 
 
+def _stage(name: str) -> str | None:
+    """The compute stage a repeating layer's weight feeds: attention or ffn (the experts' matrices
+    included; a router or a norm decides no buffer)."""
+    role = tensor_role(name)
+    if role == "experts":
+        return "ffn" if "_exps" in name or "_chexps" in name else None
+    return role if role in ("attention", "ffn") else None
+
+
 def compute_buffer(
     model: ModelInfo,
     *,
@@ -157,6 +166,7 @@ def compute_buffer(
     has_layers: bool = True,
     host: bool = True,
     masks: Sequence[int] | None = None,
+    stages: Collection[str] = ("attention", "ffn"),
 ) -> int:
     """llama.cpp's compute buffer for one backend that runs repeating layers and/or the output.
 
@@ -172,6 +182,9 @@ def compute_buffer(
     - FFN: gate, up and their product per token (per used expert in an MoE);
     - output: the f32 logits of every token, plus five n_embd-wide rows.
 
+    ``stages`` names the layer stages whose weights this backend holds (tensor overrides can move a
+    layer's FFN or attention to another backend; the op runs where its weights are).
+
     Fitted to the sizes llama.cpp 0.3.36's ``sched_reserve`` prints for dense and MoE models
     (benchmarks/estimate_accuracy.py measures the error).
     """
@@ -181,19 +194,38 @@ def compute_buffer(
     n_q = model.n_head * model.head_size_k
     n_kv_embd = model.n_head_kv * model.head_size_k + model.n_head_kv * model.head_size_v
     mask = sum(masks) * ub * (2 if flash_attn else 4)
-    stages = [0]
+    peaks = [0]
     if has_layers:
         scores = 0 if flash_attn else max(masks) * ub * model.n_head * f32
-        stages.append(scores + ub * (n_q + n_kv_embd + 4 * model.n_embd) * f32)
+        if "attention" in stages:
+            peaks.append(scores + ub * (n_q + n_kv_embd + 4 * model.n_embd) * f32)
         n_ff = model.n_ff or 4 * model.n_embd
-        if model.is_moe:
-            stages.append(ub * (3 * model.expert_used_count * n_ff + 2 * model.n_embd + model.expert_count) * f32)
-        else:
-            stages.append(ub * (3 * n_ff + 2 * model.n_embd) * f32)
+        if "ffn" in stages and model.is_moe:
+            peaks.append(ub * (3 * model.expert_used_count * n_ff + 2 * model.n_embd + model.expert_count) * f32)
+        elif "ffn" in stages:
+            peaks.append(ub * (3 * n_ff + 2 * model.n_embd) * f32)
     if has_output:
         # the host also keeps the input embeddings and norms live next to the logits
-        stages.append(ub * (model.n_vocab + (5 if host else 1) * model.n_embd) * f32)
-    return (mask if has_layers else 0) + max(stages)
+        peaks.append(ub * (model.n_vocab + (5 if host else 1) * model.n_embd) * f32)
+    return (mask if has_layers else 0) + max(peaks)
+
+
+def moved_stage_buffer(model: ModelInfo, *, n_ubatch: int, stages: Collection[str]) -> int:
+    """What a backend that runs no layer of its own reserves for the ops whose weights tensor
+    overrides moved onto it (the host, with -ot or --n-cpu-moe): the layer's input row and the
+    outputs of those matrices (gate and up of each used expert, one n_ff row for a dense FFN; Q, K
+    and V), fitted to llama.cpp's sched_reserve sizes for MoE and dense models with flash attention
+    (without it the host's buffer is up to a third smaller: the allocator overlaps them with the mask)."""
+    f32 = 4
+    n_ff = model.n_ff or 4 * model.n_embd
+    peaks = [0]
+    if "ffn" in stages:
+        per_token = (2 * n_ff * model.expert_used_count if model.is_moe else n_ff) + model.n_embd
+        peaks.append(n_ubatch * per_token * f32)
+    if "attention" in stages:
+        n_kv_embd = model.n_head_kv * model.head_size_k + model.n_head_kv * model.head_size_v
+        peaks.append(n_ubatch * (model.n_head * model.head_size_k + n_kv_embd) * f32)
+    return max(peaks)
 
 
 def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None = None) -> MemoryEstimate:
@@ -233,7 +265,10 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     kv: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
     layers: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
 
-    # Weights: tensor by tensor, so overrides apply exactly.
+    # Weights: tensor by tensor, so overrides apply exactly. Which layer stages (attention, FFN)
+    # each backend holds weights of decides the ops it runs, so its compute buffer.
+    stages_on: dict[str, set[str]] = {d: set() for d in [CPU, *devices]}
+    moved_to_host: set[str] = set()
     block = re.compile(r"^blk\.(\d+)\.")
     for tensor in model.tensors:
         m = block.match(tensor.name)
@@ -243,8 +278,13 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
             device = placement[n_layer]
         else:
             device = CPU  # token embeddings and anything else outside the blocks stay on the host
+        stage = _stage(tensor.name) if m else None
         if device != CPU and _matches(patterns, tensor.name):
             device = CPU
+            if stage:
+                moved_to_host.add(stage)
+        if stage:
+            stages_on[device].add(stage)
         weights[device] += tensor.n_bytes
         if tensor.name.startswith("token_embd.") and model.tied_output:
             # the output head is a copy of the token embedding, loaded with the output layer
@@ -300,11 +340,12 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
                                                  masks=[cells_of[k] for k in every_kind])
             else:
                 compute[device] = (copies * mask_bytes([cells_of[k] for k in every_kind])
-                                   + ((5 if flash_attn else 9) if pipeline else (2 if flash_attn else 3)) * row)
+                                   + ((5 if flash_attn else 9) if pipeline else (2 if flash_attn else 3)) * row
+                                   + moved_stage_buffer(model, n_ubatch=n_ubatch, stages=moved_to_host))
         elif runs_layers or runs_output:
             compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
                                              has_output=runs_output, has_layers=runs_layers, host=False,
-                                             masks=masks_of(device))
+                                             masks=masks_of(device), stages=stages_on[device])
             if pipeline:
                 compute[device] += (copies - 1) * mask_bytes(masks_of(device)) + (4 if flash_attn else 7) * row
         else:

@@ -190,6 +190,11 @@ def _row_size(type_name: str, n: int) -> int:
     return (n // block) * size
 
 
+def tensor_role(name: str) -> str:
+    """What a repeating layer's tensor is for: attention, ffn, experts, norms or other."""
+    return _role(name)
+
+
 def _role(name: str) -> str:
     for role, pattern in _ROLE_PATTERNS:
         if pattern.search(name):
