@@ -442,6 +442,16 @@ def test_llama_applies_tensor_overrides_in_the_real_llama_cpp(models, tmp_path):
     assert '"tokens": ' in proc.stdout
 
 
+def test_llama_applies_n_cpu_moe_as_llama_cpp_does(models, tmp_path):
+    """--n-cpu-moe 2 keeps the experts of layers 0 and 1 on the CPU: tuner.Llama applies the same patterns."""
+    profile = _real_profile(tmp_path / "profiles", models["moe"], n_cpu_moe=2)
+    proc = _run_app(models["moe"], profile)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for layer in (0, 1):
+        assert f"tensor blk.{layer}.ffn_up_exps.weight (" in proc.stderr
+    assert "blk.2.ffn_up_exps.weight (" not in proc.stderr and "buffer type overridden to CPU" in proc.stderr
+
+
 def test_llama_registers_rpc_servers_and_offloads_to_them(models, tmp_path, rpc_servers):
     (server,) = rpc_servers(1)
     profile = _real_profile(tmp_path / "profiles", models["q8_0"], rpc_servers=[server.endpoint], n_gpu_layers=99)

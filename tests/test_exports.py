@@ -72,8 +72,10 @@ def full_profile() -> Profile:
 
 def newer_profile() -> Profile:
     """The settings llama.cpp gained after wave 1, away from their defaults (each exported only when set)."""
-    document = profile_dict(swa_full=True)
-    return Profile.from_dict(document).replace(path="/team/profiles/qwen3-8b--newer.json")
+    fingerprint = {"file_name": "Qwen3-30B-A3B-Q4_K_M.gguf", "size": 18_556_686_336, "header_hash": "cd" * 32}
+    document = profile_dict(fingerprint=fingerprint, model_path="/home/ana/models/Qwen3-30B-A3B-Q4_K_M.gguf",
+                            swa_full=True, n_cpu_moe=12)
+    return Profile.from_dict(document).replace(path="/team/profiles/qwen3-30b-a3b--4090.json")
 
 
 PROFILES = {"simple": simple_profile, "full": full_profile, "newer": newer_profile}
@@ -209,8 +211,8 @@ def _expected(profile: Profile, model_path: str) -> dict[str, str]:
         expected["n_threads"] = str(s.n_threads)
     if s.n_threads_batch is not None:
         expected["n_threads_batch"] = str(s.n_threads_batch)
-    if s.tensor_overrides:
-        expected["override"] = ";".join(f"{p}=CPU" for p in s.tensor_overrides)
+    if s.host_overrides:  # -ot's patterns, then --n-cpu-moe's (common.h llm_add_n_cpu_ffn_overrides)
+        expected["override"] = ";".join(f"{p}=CPU" for p in s.host_overrides)
     return expected
 
 
@@ -279,5 +281,6 @@ def test_llama_bench_runs_the_exported_flags(llama_parsers, tiny_model, variant)
         assert run["tensor_split"] == "/".join(f"{p:.2f}" for p in s.tensor_split)
     if s.tensor_overrides:
         assert run["tensor_buft_overrides"] == ";".join(f"{p}=CPU" for p in s.tensor_overrides)
+    assert run["n_cpu_moe"] == s.n_cpu_moe
     if s.n_threads is not None:
         assert run["n_threads"] == s.n_threads

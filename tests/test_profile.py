@@ -136,6 +136,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "use_mlock": False,
         "op_offload": True,
         "tensor_overrides": [],
+        "n_cpu_moe": 0,
         "rpc_servers": [],
         **settings,
     }
@@ -301,13 +302,13 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
     document = profile_dict()
     document["schema_version"] = "1.3"
     document["energy"] = {"joules_per_token": 0.4}
-    document["settings"]["n_cpu_moe"] = 4
+    document["settings"]["numa"] = "distribute"
     document["measured"]["tg"]["p90"] = 150.0
     with pytest.warns(SchemaVersionWarning) as caught:
         profile = Profile.from_dict(document)
     assert [str(w.message) for w in caught] == [
         f"profile schema 1.3 is newer than this tool ({SCHEMA_VERSION}); loading it; ignoring what it does not know: "
-        "energy, settings.n_cpu_moe, measured.tg.p90. Upgrade offload-tuner to use everything in it"
+        "energy, settings.numa, measured.tg.p90. Upgrade offload-tuner to use everything in it"
     ]
     assert profile.schema_version == "1.3"
     assert profile.settings.n_ctx == 32768

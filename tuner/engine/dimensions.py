@@ -86,6 +86,16 @@ def load_mode(use_mmap: bool, use_mlock: bool) -> str:
 # enum llama_load_mode (include/llama.h)
 LOAD_MODES = {"none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3}
 
+# llama.cpp's --n-cpu-moe: one override per layer, common/common.h LLM_FFN_EXPS_REGEX through
+# llm_ffn_block_regex ("blk\\.%d%s"); llama-bench builds the same list.
+FFN_EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def n_cpu_moe_patterns(n_cpu_moe: int) -> tuple[str, ...]:
+    """The tensor overrides ``--n-cpu-moe N`` stands for: the experts of layers 0..N-1 on the CPU."""
+    return tuple(rf"blk\.{i}{FFN_EXPS_REGEX}" for i in range(max(0, n_cpu_moe)))
+
+
 # -- how a dimension is spelled -----------------------------------------------------------------------
 
 
@@ -292,7 +302,7 @@ def _endpoints(text: Any) -> tuple[str, ...]:
 PLACEMENTS = {
     "none": None,
     "ffn_cpu": r"ffn_(gate|up|down)(_exps)?\.weight",  # the FFN (dense or experts)
-    "experts_cpu": r"ffn_(gate|up|down)_exps\.weight",  # only the MoE experts
+    "experts_cpu": r"ffn_(gate|up|down)_exps\.weight",  # only the MoE experts (where n_cpu_moe cannot be set)
     "attn_cpu": r"attn_(q|k|v|output|qkv)\.weight",  # the attention
 }
 
@@ -409,6 +419,22 @@ def _placement_params(value: Any, facts: Facts, chosen: Mapping[str, Any]) -> di
         first = first_offloaded_layer(int(chosen["n_gpu_layers"]), facts.n_layer)
         params["placement_layers"] = start + k - first
     return params
+
+
+def _ask_n_cpu_moe(asker: Asker, facts: Facts, chosen: Mapping[str, Any]) -> int:
+    """How many of the offloaded layers (from the first one) keep their experts on the CPU; the
+    setting counts from layer 0 (--n-cpu-moe N: layers 0..N-1), so 0 offloaded layers is 0."""
+    k = asker.suggest_int("n_cpu_moe", 0, _offloaded(facts, chosen))
+    return first_offloaded_layer(int(chosen["n_gpu_layers"]), facts.n_layer) + k if k else 0
+
+
+def _n_cpu_moe_params(value: Any, facts: Facts, chosen: Mapping[str, Any]) -> dict[str, Any]:
+    first = first_offloaded_layer(int(chosen["n_gpu_layers"]), facts.n_layer)
+    return {"n_cpu_moe": max(0, min(int(value) - first, _offloaded(facts, chosen)))}
+
+
+def _supported(name: str) -> Callable[[Facts], bool]:
+    return lambda facts: facts.supported is None or name in facts.supported
 
 
 def _no_device(facts: Facts) -> str:
@@ -682,6 +708,28 @@ DIMENSIONS: tuple[Dimension, ...] = (
                       ask=_ask_placement, params=_placement_params, fixed=lambda f, c: (), depends_on=("n_gpu_layers",)),
     ),
     Dimension(
+        "n_cpu_moe", "int", 0,
+        check=_at_least(0, "expected a count of layers >= 0"),
+        model_level=True,
+        option=Option(("--n-cpu-moe", "-ncmoe"), "Keep the MoE experts of the first N layers on the CPU."),
+        no_kwarg="llama_cpp.Llama has no keyword: tuner.Llama applies it as tensor overrides around the load",
+        # no llama_model_params field: --n-cpu-moe is tensor overrides built by the tools (common.h
+        # llm_add_n_cpu_ffn_overrides, llama-bench's to_llama_mparams); the python engine builds the same
+        c_api_by_worker="the override array of tensor_overrides, one pattern per layer (n_cpu_moe_patterns)",
+        host_patterns=lambda s: n_cpu_moe_patterns(s.n_cpu_moe),
+        # after -ot, as llama-bench merges them (the user's overrides first)
+        flags=_all_tools(_value("--n-cpu-moe", unless=0, name="n_cpu_moe")),
+        env=Env("LLAMA_ARG_N_CPU_MOE"),
+        ollama=Ollama(160, note=lambda s, e: f"n_cpu_moe {s.n_cpu_moe} (experts of the first {s.n_cpu_moe} layers on the CPU): "
+                      "ollama has no tensor placement option" if s.n_cpu_moe else None),
+        # MoE only, and only when repeating layers are offloaded: counted from the first offloaded one
+        search=Search(applies=lambda f, c: f.is_moe and _offloaded(f, c) >= 1 and _supported("n_cpu_moe")(f),
+                      why_not=lambda f: ("a dense model has no expert tensors" if not f.is_moe
+                                         else _no_device(f) if not f.devices
+                                         else "the engine cannot set it: the experts_cpu placement stands in"),
+                      ask=_ask_n_cpu_moe, params=_n_cpu_moe_params, fixed=lambda f, c: 0, depends_on=("n_gpu_layers",)),
+    ),
+    Dimension(
         "rpc_servers", "endpoints", (),
         model_level=True,
         option=Option(("--rpc",), "RPC servers host:port,... used as devices.", parse=_endpoints),
@@ -740,6 +788,6 @@ __all__ = [
     "KV_CACHE_TYPES", "SPLIT_MODES", "FLASH_ATTN", "CLI_TOOLS", "UNQUANTIZED_KV", "OLLAMA_KV_TYPES",
     "ALL_LAYERS", "TRAINING_CONTEXT", "offloaded_layers", "offloaded_repeating_layers", "first_offloaded_layer",
     "gpu_layers_arg", "context_tokens", "flash_attn_forms", "FlashAttnForms", "load_mode", "LOAD_MODES",
-    "PLACEMENTS", "placement_patterns", "parse_placement", "split_from_counts",
+    "n_cpu_moe_patterns", "FFN_EXPS_REGEX", "PLACEMENTS", "placement_patterns", "parse_placement", "split_from_counts",
     "counts_from_split", "dimension",
 ]

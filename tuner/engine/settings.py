@@ -66,6 +66,7 @@ class Settings:
     use_mlock: bool = False
     op_offload: bool = True
     tensor_overrides: tuple[str, ...] = ()
+    n_cpu_moe: int = 0
     rpc_servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -539,10 +539,10 @@ def Llama(
         profile = check_profile(read_profile(profile), model_path, machine=machine, strict=strict)
     settings = profile.settings
     applied: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if settings.tensor_overrides:
+    if settings.host_overrides:  # tensor_overrides, and n_cpu_moe's per-layer patterns
         from ..engine.overrides import tensor_overrides_applied
 
-        applied = tensor_overrides_applied(settings.tensor_overrides)
+        applied = tensor_overrides_applied(settings.host_overrides)
     if settings.rpc_servers:
         from ..engine.rpc import register_servers
 
