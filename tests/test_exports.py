@@ -74,7 +74,7 @@ def newer_profile() -> Profile:
     """The settings llama.cpp gained after wave 1, away from their defaults (each exported only when set)."""
     fingerprint = {"file_name": "Qwen3-30B-A3B-Q4_K_M.gguf", "size": 18_556_686_336, "header_hash": "cd" * 32}
     document = profile_dict(fingerprint=fingerprint, model_path="/home/ana/models/Qwen3-30B-A3B-Q4_K_M.gguf",
-                            swa_full=True, n_cpu_moe=12)
+                            swa_full=True, n_cpu_moe=12, kv_unified=True)
     return Profile.from_dict(document).replace(path="/team/profiles/qwen3-30b-a3b--4090.json")
 
 
@@ -150,6 +150,7 @@ int main(int argc, char ** argv) {
     printf("load_mode=%d\n", (int) params.load_mode);
     printf("no_op_offload=%d\n", (int) params.no_op_offload);
     printf("swa_full=%d\n", (int) params.swa_full);
+    printf("kv_unified=%d\n", (int) params.kv_unified);
     for (const auto & o : params.tensor_buft_overrides) {
         if (o.pattern) printf("override=%s=%s\n", o.pattern, ggml_backend_buft_name(o.buft));
     }
@@ -186,7 +187,7 @@ def _parsed(harness: Path, tool: str, args: list[str], env: dict) -> dict[str, s
     return out
 
 
-def _expected(profile: Profile, model_path: str) -> dict[str, str]:
+def _expected(profile: Profile, model_path: str, tool: str = "llama-server") -> dict[str, str]:
     s = profile.settings
     split = (list(s.tensor_split) + [0, 0])[:2] if s.tensor_split else [0, 0]
     expected = {
@@ -207,6 +208,8 @@ def _expected(profile: Profile, model_path: str) -> dict[str, str]:
         "no_op_offload": str(int(not s.op_offload)),
         "swa_full": str(int(s.swa_full)),
     }
+    if tool == "llama-server":  # llama-cli takes no -kvu
+        expected["kv_unified"] = str(int(s.kv_unified))
     if s.n_threads is not None:
         expected["n_threads"] = str(s.n_threads)
     if s.n_threads_batch is not None:
@@ -228,7 +231,7 @@ def test_llama_cpp_parses_the_flags_as_the_profile_means(llama_parsers, tool, va
     profile = _without_rpc(PROFILES[variant]())
     model = str(tmp_path / "model.gguf")
     parsed = _parsed(harness, tool, tool_args(profile, tool, model_path=model), env)
-    expected = _expected(profile, model)
+    expected = _expected(profile, model, tool)
     assert {k: parsed.get(k) for k in expected} == expected
 
 

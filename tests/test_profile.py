@@ -132,6 +132,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "type_v": "f16",
         "offload_kqv": True,
         "swa_full": False,
+        "kv_unified": False,
         "use_mmap": True,
         "use_mlock": False,
         "op_offload": True,

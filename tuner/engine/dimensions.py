@@ -652,6 +652,20 @@ DIMENSIONS: tuple[Dimension, ...] = (
                       why_not=lambda f: "the model has no sliding-window layers: there is no window cache to size"),
     ),
     Dimension(
+        "kv_unified", "bool", False,
+        option=Option(("--kv-unified", "-kvu"), "One KV buffer shared by all sequences (llama-server's slots).", switch=True),
+        no_kwarg="llama_cpp.Llama sets it only for embeddings; an app decoding one sequence gets the same cache either way",
+        c_api=CField("context", "kv_unified", lambda s: s.kv_unified),  # llama_context_default_params(): false
+        flags={"llama-server": _switch(["-kvu"], True, "kv_unified")},
+        no_flag={"llama-cli": "llama-cli takes no -kvu (common/arg.cpp sets it for server, perplexity, batched, bench, parallel)",
+                 "llama-bench": "llama-bench has no kv_unified option"},
+        env=Env("LLAMA_ARG_KV_UNIFIED", "1"),
+        ollama=Ollama(180, note=lambda s, e: "kv_unified true: ollama decides its KV layout itself" if s.kv_unified else None),
+        not_searched=("every trial decodes one sequence, and for one sequence llama.cpp builds the same cache "
+                      "either way (llama-kv-cache.cpp: n_stream = unified ? 1 : n_seq_max); it matters to "
+                      "llama-server's parallel slots, which a trial does not measure"),
+    ),
+    Dimension(
         "use_mmap", "bool", True,
         model_level=True,
         option=Option(("--no-mmap",), switch=False),

@@ -62,6 +62,7 @@ class Settings:
     type_v: str = "f16"
     offload_kqv: bool = True
     swa_full: bool = False
+    kv_unified: bool = False
     use_mmap: bool = True
     use_mlock: bool = False
     op_offload: bool = True

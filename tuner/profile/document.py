@@ -59,10 +59,11 @@ key                            meaning
                                (``null`` without a target)
 =============================  ===============================================================================
 
-Versions: 1.2 added settings from newer llama.cpp (``swa_full``, ``n_cpu_moe``) and the model's sliding
-window and training context to ``sizing``. A 1.0 or 1.1 profile still loads, with the values it was
-measured with: ``swa_full`` true, the C API default the python engine ran then (its memory arithmetic
-is then the same with or without a window, so the sizing it lacks is not needed); ``n_cpu_moe`` 0.
+Versions: 1.2 added settings from newer llama.cpp (``swa_full``, ``n_cpu_moe``, ``kv_unified``) and the
+model's sliding window and training context to ``sizing``. A 1.0 or 1.1 profile still loads, with the
+values it was measured with: ``swa_full`` true, the C API default the python engine ran then (its
+memory arithmetic is then the same with or without a window, so the sizing it lacks is not needed);
+``n_cpu_moe`` 0 and ``kv_unified`` false.
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -699,7 +700,7 @@ def _created_at(data: Mapping[str, Any]) -> str:
 # Settings added in 1.2, with the value a profile that predates them was measured with. A 1.0 or 1.1
 # profile came from the python engine, which ran llama.cpp's C API default: a full-size
 # sliding-window cache (llama_context_default_params().swa_full is true).
-_BEFORE_1_2 = {"swa_full": True, "n_cpu_moe": 0}
+_BEFORE_1_2 = {"swa_full": True, "n_cpu_moe": 0, "kv_unified": False}
 
 
 # The sizing 1.2 added, as a pre-1.2 document reads (nothing recorded).
