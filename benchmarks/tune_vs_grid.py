@@ -19,7 +19,6 @@ the grid's best tg with at most a quarter of the grid's trials.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -44,7 +43,6 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OFFLOAD_TUNER_HOME"] = tmp  # a fresh study, nothing resumed
-        from tuner.errors import SettingsError
         from tuner.engine.base import BenchSpec
         from tuner.engine.python import TrialRunner
         from tuner.search.study import Tuner, score
@@ -57,16 +55,9 @@ def main() -> int:
         print(space.describe())
         bench = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions)
 
-        # 1. the exhaustive grid (invalid combinations, like a quantized V cache without flash
-        #    attention, are not candidates); grouped by model so one worker serves each variant
-        grid = []
-        for variant, ctx, kv, fa, threads, ub in itertools.product(space.variants, space.n_ctx, space.kv_types,
-                                                                     space.flash_attn, space.threads, space.n_ubatch):
-            try:
-                grid.append(space.settings(variant=variant, n_ctx=ctx, kv=kv, flash_attn=fa, threads=threads,
-                                           n_ubatch=ub, n_batch=space.n_batch[0]))
-            except SettingsError:
-                continue
+        # 1. the exhaustive grid: every candidate of the (conditional) space, each once; grouped
+        #    by model so one worker serves each variant
+        grid = sorted(space.grid(), key=lambda s: s.model_path)
         print(f"\ngrid: {len(grid)} valid candidates")
         measured: dict[str, float] = {}
         started = time.monotonic()

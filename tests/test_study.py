@@ -41,10 +41,10 @@ def test_space_without_a_gpu_leaves_offload_out_and_says_why(models):
     info = inspect(models["q8_0"])
     space = build_space([info], devices=(), physical_cores=4, logical_cores=8, min_ctx=512)
     dims = space.dimensions()
-    assert "n_gpu_layers" not in dims and "placements" not in dims
+    assert "n_gpu_layers" not in dims and "placement" not in dims
     assert "no GPU" in space.excluded["n_gpu_layers"]
     assert space.threads == (2, 4, 8)
-    assert dims["kv_types"] == ["f16", "q8_0", "q4_0"] and dims["flash_attn"] == ["on", "off"]
+    assert dims["type_k"] == ["f16", "q8_0", "q4_0"] and dims["flash_attn"] == ["on", "off"]
     assert all(c >= 512 for c in space.n_ctx)
     assert "n_batch" in space.excluded  # a 512-token prompt fits in one batch
     assert "(left out) n_gpu_layers" in space.describe()
@@ -57,9 +57,13 @@ def test_space_with_devices(models):
     dims = space.dimensions()
     assert dims["n_gpu_layers"] == (0, info.n_layer + 1)
     assert "layers_on[A]" in dims and "layers_on[B]" not in dims  # the last device takes the rest
-    assert "experts_cpu" not in dims["placements"] and "dense model" in space.excluded["placement: experts_cpu"]
+    assert "experts_cpu" not in dims["placement"] and "dense model" in space.excluded["placement: experts_cpu"]
     moe = build_space([inspect(models["moe"])], devices=devices[:1], min_ctx=512)
-    assert "experts_cpu" in moe.dimensions()["placements"] and "one device" in moe.excluded["tensor_split"]
+    # n_cpu_moe keeps the experts on the CPU where the engine can set it; the regex placement stands in elsewhere
+    assert "experts_cpu" not in moe.dimensions()["placement"] and moe.dimensions()["n_cpu_moe"] == (0, 3)
+    assert "one device" in moe.excluded["tensor_split"]
+    fallback = build_space([inspect(models["moe"])], devices=devices[:1], min_ctx=512, supported={"n_gpu_layers"})
+    assert "experts_cpu" in fallback.dimensions()["placement"] and "n_cpu_moe" not in fallback.dimensions()
 
 
 def test_split_counts_and_placements(models):

@@ -199,6 +199,7 @@ class Search:
     params: Callable[[Any, Facts, Mapping[str, Any]], dict[str, Any]] | None = None
     fixed: Callable[[Facts, Mapping[str, Any]], Any] | None = None
     depends_on: tuple[str, ...] = ()
+    when: str = ""  # ``applies`` in words, for the space's description ("flash attention is on")
 
 
 @dataclass(frozen=True)
@@ -517,7 +518,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
         # as layer counts per device: asked only when there are layers for two or more devices
         search=Search(applies=lambda f, c: len(f.devices) > 1 and offloaded_layers(int(c.get("n_gpu_layers", 0)), f.n_layer) >= 2,
                       why_not=lambda f: "one device: nothing to split" if f.devices else "no GPU or RPC device",
-                      ask=_ask_split, params=_split_params, fixed=lambda f, c: None, depends_on=("n_gpu_layers",)),
+                      ask=_ask_split, params=_split_params, fixed=lambda f, c: None, depends_on=("n_gpu_layers",),
+                      when="two or more devices can get layers (n_gpu_layers >= 2)"),
     ),
     Dimension(
         "n_ctx", "int", 4096,
@@ -607,7 +609,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         # llama.cpp refuses a quantized V cache without it. (A quantized K alone without flash
         # attention is valid; the search keeps K and V together, as -ctk/-ctv are usually set.)
         search=Search(applies=lambda f, c: c.get("flash_attn") != "off", fixed=lambda f, c: "f16",
-                      depends_on=("flash_attn",)),
+                      depends_on=("flash_attn",), when="flash attention is on (K and V together)"),
     ),
     Dimension(
         "type_v", "choice", "f16", choices=tuple(KV_CACHE_TYPES),
@@ -631,7 +633,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         ollama=Ollama(110, note=lambda s, e: None if s.offload_kqv else "offload_kqv false (KV cache in host memory): ollama keeps the KV cache with its layers"),
         # the KV cache lives with the repeating layers: it only moves when one of them is offloaded
         search=Search(applies=lambda f, c: _offloaded(f, c) >= 1, why_not=_no_device, fixed=lambda f, c: True,
-                      depends_on=("n_gpu_layers",)),
+                      depends_on=("n_gpu_layers",), when="repeating layers are offloaded"),
     ),
     Dimension(
         "swa_full", "bool", False,
@@ -719,7 +721,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
         # as a placement strategy and a layer count: only when repeating layers are offloaded
         search=Search(applies=lambda f, c: _offloaded(f, c) >= 1 and len(_placement_strategies(f)) > 1,
                       why_not=lambda f: "no GPU or RPC device: no tensor can be kept off one" if not f.devices else "one strategy only",
-                      ask=_ask_placement, params=_placement_params, fixed=lambda f, c: (), depends_on=("n_gpu_layers",)),
+                      ask=_ask_placement, params=_placement_params, fixed=lambda f, c: (), depends_on=("n_gpu_layers",),
+                      when="repeating layers are offloaded; placement_layers counts them from the first"),
     ),
     Dimension(
         "n_cpu_moe", "int", 0,
@@ -741,7 +744,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
                       why_not=lambda f: ("a dense model has no expert tensors" if not f.is_moe
                                          else _no_device(f) if not f.devices
                                          else "the engine cannot set it: the experts_cpu placement stands in"),
-                      ask=_ask_n_cpu_moe, params=_n_cpu_moe_params, fixed=lambda f, c: 0, depends_on=("n_gpu_layers",)),
+                      ask=_ask_n_cpu_moe, params=_n_cpu_moe_params, fixed=lambda f, c: 0, depends_on=("n_gpu_layers",),
+                      when="repeating layers are offloaded; counted from the first of them"),
     ),
     Dimension(
         "rpc_servers", "endpoints", (),

@@ -1,56 +1,55 @@
-"""What to try: the search space, built from this machine (probe) and the model (inspect).
+"""What to try: a conditional search space, built from this machine (probe), the model (inspect) and
+the dimension table (``tuner.engine.dimensions``).
 
-Dimensions that cannot matter on this machine are left out, each with the reason, so the output
-can say why (no GPU: no n_gpu_layers and no split; a dense model: no expert placement; a short
-benchmark prompt: no n_batch).
+Each dimension of the table that has a ``Search`` is asked only when it can matter given the values
+chosen before it (Optuna's define-by-run: a parameter absent from a trial is simply not asked):
+
+- the KV cache type (``type_k``, V following K) only with flash attention on, since llama.cpp refuses a
+  quantized V cache without it;
+- the split (``layers_on[DEVICE]``, one count per device but the last, each bounded by what is left)
+  only when two or more devices can get layers;
+- a tensor placement strategy (``placement``) and its layer count (``placement_layers``) only when
+  repeating layers are offloaded, counted from the first offloaded layer;
+- ``offload_kqv`` only when repeating layers are offloaded;
+- ``n_cpu_moe`` only for a mixture of experts with layers offloaded, counted the same way;
+- ``swa_full`` only for a model with sliding-window layers.
+
+So no proposal is invalid by construction. The study's parameters are named like the ``Settings``
+fields (``n_ctx``, ``flash_attn``, ``type_k``, ``n_threads``, ``n_ubatch``, ``n_batch``, ``offload_kqv``,
+``n_cpu_moe``, ``swa_full``), plus ``variant`` (the file), ``layers_on[DEVICE]``, ``placement`` and
+``placement_layers``. Dimensions that cannot matter on this machine are left out, each with the reason,
+so the output can say why (no GPU: no n_gpu_layers and no split; a dense model: no expert placement; a
+short benchmark prompt: no n_batch).
+
+To add a dimension to the search, give its table entry a ``Search`` and, if it is a choice, its
+candidate values in ``build_space``'s ``domains``; this module reads the rest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-import re
+from dataclasses import dataclass, field
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Sequence
-
-from ..model.inspect import ModelInfo
+from ..engine.dimensions import (
+    DIMENSIONS,
+    PLACEMENTS,
+    Dimension,
+    Facts,
+    counts_from_split,
+    placement_patterns,
+    split_from_counts,
+)
 from ..engine.settings import Settings
+from ..model.inspect import ModelInfo
 
-# Tensor placement strategies (llama.cpp's -ot PATTERN=CPU): which tensors of the first k
-# repeating layers stay on the host while the rest of the layer is offloaded.
-PLACEMENTS = {
-    "none": None,
-    "ffn_cpu": r"ffn_(gate|up|down)(_exps)?\.weight",  # the FFN (dense or experts) of the first k layers
-    "experts_cpu": r"ffn_(gate|up|down)_exps\.weight",  # only the MoE experts of the first k layers
-    "attn_cpu": r"attn_(q|k|v|output|qkv)\.weight",  # the attention of the first k layers
-}
-
-
-def placement_patterns(strategy: str, k: int) -> tuple[str, ...]:
-    """``-ot`` regexes for a strategy over layers 0..k-1."""
-    suffix = PLACEMENTS.get(strategy)
-    if not suffix or k <= 0:
-        return ()
-    layers = "|".join(str(i) for i in range(k))
-    return (rf"^blk\.({layers})\.{suffix}$",)
-
-
-def placement_of(overrides: Sequence[str]) -> tuple[str, int]:
-    """The strategy and k whose ``placement_patterns`` are ``overrides`` (("none", 0) for none).
-
-    Raises ValueError for overrides no strategy writes."""
-    if not overrides:
-        return "none", 0
-    if len(overrides) == 1:
-        m = re.match(r"^\^blk\\\.\(([\d|]+)\)\\\.", overrides[0])
-        if m:
-            k = len(m.group(1).split("|"))
-            for strategy in PLACEMENTS:
-                if placement_patterns(strategy, k) == tuple(overrides):
-                    return strategy, k
-    raise ValueError(f"tensor overrides {list(overrides)} are not a placement strategy of the search space")
+# the dimensions the search walks, in the table's order (a dimension may read those before it)
+SEARCHED: tuple[Dimension, ...] = tuple(d for d in DIMENSIONS if d.search is not None)
+_BY_NAME = {d.name: d for d in SEARCHED}
+# earlier names of the space's candidate values (Tuner(space_overrides=...))
+_OLD_NAMES = {"kv_types": "type_k", "threads": "n_threads", "placements": "tensor_overrides", "variants": "model_path"}
 
 
 @dataclass(frozen=True)
@@ -65,101 +64,173 @@ class Device:
 
 @dataclass(frozen=True)
 class SearchSpace:
+    """The candidates of one tune. ``domains`` holds each choice dimension's values by its name
+    (``tensor_overrides``: the placement strategies); the rest comes from the dimension table."""
+
     variants: tuple[str, ...]  # model paths, same model in other quantizations
     devices: tuple[Device, ...]
     n_layer: int
-    n_ctx: tuple[int, ...]
-    kv_types: tuple[str, ...]
-    flash_attn: tuple[str, ...]
-    threads: tuple[int, ...]
-    n_ubatch: tuple[int, ...]
-    n_batch: tuple[int, ...]
-    placements: tuple[str, ...]
-    offload_kqv: tuple[bool, ...]
+    domains: Mapping[str, tuple] = field(default_factory=dict)
+    is_moe: bool = False
+    has_swa: bool = False
+    supported: frozenset[str] | None = None  # the settings the engine can set; None: all
     excluded: dict[str, str] = field(default_factory=dict)  # dimension -> why it is left out
     rpc_servers: tuple[str, ...] = ()
+
+    # -- the facts the table's predicates read ----------------------------------------------------
+
+    @property
+    def facts(self) -> Facts:
+        domains = {**self.domains, "model_path": self.variants, "rpc_servers": self.rpc_servers}
+        return Facts(n_layer=self.n_layer, devices=tuple(d.name for d in self.devices), is_moe=self.is_moe,
+                     has_swa=self.has_swa, domains=domains, supported=self.supported)
 
     @property
     def has_gpu(self) -> bool:
         return bool(self.devices)
 
-    def dimensions(self) -> dict[str, Any]:
-        dims: dict[str, Any] = {}
-        if len(self.variants) > 1:
-            dims["variant"] = [Path(v).name for v in self.variants]
-        if self.has_gpu:
-            dims["n_gpu_layers"] = (0, self.n_layer + 1)
-            if len(self.devices) > 1:
-                for d in self.devices[:-1]:
-                    dims[f"layers_on[{d.name}]"] = (0, self.n_layer + 1)
-        for name in ("n_ctx", "kv_types", "flash_attn", "threads", "n_ubatch", "n_batch", "placements", "offload_kqv"):
-            values = getattr(self, name)
-            if len(values) > 1:
-                dims[name] = list(values)
-        if self.has_gpu and len(self.placements) > 1:
-            dims["placement_layers"] = (1, self.n_layer)
-        return dims
+    # the candidate values under their names before the table
+    n_ctx = property(lambda self: tuple(self.domains.get("n_ctx", ())))
+    kv_types = property(lambda self: tuple(self.domains.get("type_k", ())))
+    flash_attn = property(lambda self: tuple(self.domains.get("flash_attn", ())))
+    threads = property(lambda self: tuple(self.domains.get("n_threads", ())))
+    n_ubatch = property(lambda self: tuple(self.domains.get("n_ubatch", ())))
+    n_batch = property(lambda self: tuple(self.domains.get("n_batch", ())))
+    placements = property(lambda self: tuple(self.domains.get("tensor_overrides", ())))
+    offload_kqv = property(lambda self: tuple(self.domains.get("offload_kqv", ())))
 
-    def grid_size(self) -> int:
-        size = 1
-        for value in self.dimensions().values():
-            size *= (value[1] - value[0] + 1) if isinstance(value, tuple) else len(value)
-        return size
+    def narrowed(self, **values: Sequence[Any]) -> "SearchSpace":
+        """The same space with some dimensions' candidate values fixed or narrowed, by dimension name
+        (``type_k=("f16",)``; the earlier names ``kv_types``, ``threads``, ``placements`` work too)."""
+        from ..errors import SettingsError
 
-    def fingerprint(self) -> str:
-        data = asdict(self)
-        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-    def describe(self) -> str:
-        lines = ["search space:"]
-        for name, value in self.dimensions().items():
-            shown = f"{value[0]}..{value[1]}" if isinstance(value, tuple) else ", ".join(map(str, value))
-            lines.append(f"  {name}: {shown}")
-        for name, why in self.excluded.items():
-            lines.append(f"  (left out) {name}: {why}")
-        return "\n".join(lines)
+        domains = dict(self.domains)
+        variants = self.variants
+        for name, choices in values.items():
+            key = _OLD_NAMES.get(name, name)
+            if key == "model_path":
+                variants = tuple(choices)
+            elif key in {d.name for d in SEARCHED}:
+                domains[key] = tuple(choices)
+            else:
+                raise SettingsError("space_overrides", f"unknown dimension {name!r}; known: "
+                                    + ", ".join(sorted({d.name for d in SEARCHED} | set(_OLD_NAMES))))
+        return dataclasses.replace(self, domains=domains, variants=variants)
 
     # -- candidates --------------------------------------------------------------------------
 
     def suggest(self, trial: Any) -> Settings:
-        """Ask an Optuna trial (or anything with suggest_int/suggest_categorical) for a candidate."""
-        variant = self.variants[0]
-        if len(self.variants) > 1:
-            name = trial.suggest_categorical("variant", [Path(v).name for v in self.variants])
-            variant = next(v for v in self.variants if Path(v).name == name)
-        ngl = 0
-        split = None
-        if self.has_gpu:
-            ngl = trial.suggest_int("n_gpu_layers", 0, self.n_layer + 1)
-            if len(self.devices) > 1:
-                counts = [trial.suggest_int(f"layers_on[{d.name}]", 0, self.n_layer + 1) for d in self.devices[:-1]]
-                split = self.split_from_counts(ngl, counts)
-        choose = lambda name, values: values[0] if len(values) == 1 else trial.suggest_categorical(name, list(values))  # noqa: E731
-        n_ctx = choose("n_ctx", self.n_ctx)
-        kv = choose("kv_types", self.kv_types)
-        fa = choose("flash_attn", self.flash_attn)
-        threads = choose("threads", self.threads)
-        ubatch = choose("n_ubatch", self.n_ubatch)
-        batch = max(choose("n_batch", self.n_batch), ubatch)
-        placement = choose("placements", self.placements) if self.has_gpu else "none"
-        offload_kqv = choose("offload_kqv", self.offload_kqv) if self.has_gpu else True
-        k = trial.suggest_int("placement_layers", 1, self.n_layer) if placement != "none" else 0
-        return self.settings(variant=variant, n_gpu_layers=ngl, tensor_split=split, n_ctx=n_ctx, kv=kv, flash_attn=fa,
-                             threads=threads, n_ubatch=ubatch, n_batch=batch, placement=placement, placement_layers=k,
-                             offload_kqv=offload_kqv)
+        """Ask an Optuna trial (or anything with suggest_int/suggest_categorical) for a candidate:
+        each dimension in the table's order, only when it can matter given those before it."""
+        return Settings(**self._walk(trial))
+
+    def _walk(self, asker: Any) -> dict[str, Any]:
+        facts = self.facts
+        chosen: dict[str, Any] = {}
+        for dim in SEARCHED:
+            chosen[dim.name] = _value(dim, asker, facts, chosen)
+        return chosen
+
+    def params_for(self, s: Settings) -> dict[str, Any]:
+        """The Optuna parameters that produce ``s`` (to enqueue a known candidate): the inverse of
+        ``suggest``. Raises ValueError for settings this space cannot propose."""
+        facts = self.facts
+        chosen: dict[str, Any] = {}
+        params: dict[str, Any] = {}
+        for dim in SEARCHED:
+            value = getattr(s, dim.name)
+            search = dim.search
+            assert search is not None
+            if search.applies(facts, chosen):
+                if search.params is not None:
+                    params.update(search.params(value, facts, chosen))
+                elif search.ask is None and len(facts.domain(dim.name)) > 1:
+                    if value not in facts.domain(dim.name):
+                        raise ValueError(f"{dim.name} {value!r} is not among this space's {list(facts.domain(dim.name))}")
+                    params[dim.name] = value
+            chosen[dim.name] = value
+        return params
+
+    def grid(self) -> Iterator[Settings]:
+        """Every candidate of the space, each once (the conditional tree walked depth first)."""
+        path: list[int] = []
+        while True:
+            replay = _Replay(path)
+            yield self.suggest(replay)
+            sizes = replay.sizes
+            index = (replay.path + [0] * len(sizes))[: len(sizes)]
+            j = len(sizes) - 1
+            while j >= 0 and index[j] + 1 >= sizes[j]:
+                j -= 1
+            if j < 0:
+                return
+            path = index[:j] + [index[j] + 1]
+
+    def grid_size(self) -> int:
+        """How many candidates ``grid`` yields, counted without listing them."""
+        return self._census()[0]
+
+    def dimensions(self) -> dict[str, Any]:
+        """What the search asks, by Optuna parameter: an int range ``(low, high)`` over every branch,
+        or a categorical's values. A parameter asked in some branches only is listed too."""
+        return self._census()[1]
+
+    def _census(self) -> tuple[int, dict[str, Any], dict[str, str]]:
+        facts = self.facts
+        # what decides the dimensions from position i on: the values their predicates read
+        needs = [set().union(*(d.search.depends_on for d in SEARCHED[i:] if d.search)) for i in range(len(SEARCHED) + 1)]
+        memo: dict[tuple, int] = {}
+        asked: dict[str, Any] = {}
+        owner: dict[str, str] = {}  # parameter -> the dimension that asks it
+
+        def count(i: int, chosen: dict[str, Any]) -> int:
+            if i == len(SEARCHED):
+                return 1
+            key = (i, tuple((n, _hashable(chosen.get(n))) for n in sorted(needs[i])))
+            if key not in memo:
+                total = 0
+                for value, params in _options(SEARCHED[i], facts, chosen):
+                    for name, spec in params.items():
+                        _merge(asked, name, spec)
+                        owner[name] = SEARCHED[i].name
+                    total += count(i + 1, {**chosen, SEARCHED[i].name: value})
+                memo[key] = total
+            return memo[key]
+
+        return count(0, {}), asked, owner
+
+    def fingerprint(self) -> str:
+        data = dataclasses.asdict(self)
+        data["domains"] = {k: list(v) for k, v in sorted(self.domains.items())}
+        data["supported"] = sorted(self.supported) if self.supported is not None else None
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    def describe(self) -> str:
+        lines = ["search space:"]
+        _, asked, owner = self._census()
+        for name, value in asked.items():
+            shown = f"{value[0]}..{value[1]}" if isinstance(value, tuple) else ", ".join(map(str, value))
+            search = _BY_NAME[owner[name]].search
+            when = f" (asked when {search.when})" if search is not None and search.when else ""
+            lines.append(f"  {name}: {shown}{when}")
+        for name, why in self.excluded.items():
+            lines.append(f"  (left out) {name}: {why}")
+        return "\n".join(lines)
+
+    # -- building candidates by hand (seeds, tests, benchmarks) ----------------------------------------
 
     def split_from_counts(self, ngl: int, counts: Sequence[int]) -> tuple[float, ...] | None:
         """Layer counts per device -> llama.cpp's tensor split (the last device takes the rest).
 
         Raises ValueError when the counts exceed the offloaded layers."""
-        used = sum(counts)
-        if used > ngl:
-            raise ValueError(f"layer counts {list(counts)} add up to more than n_gpu_layers {ngl}")
-        return tuple(float(c) for c in counts) + (float(ngl - used),) if ngl else None
+        return split_from_counts(ngl, counts)
 
     def settings(self, *, variant: str, n_gpu_layers: int = 0, tensor_split: tuple[float, ...] | None = None,
                  n_ctx: int, kv: str, flash_attn: str, threads: int | None, n_ubatch: int, n_batch: int,
-                 placement: str = "none", placement_layers: int = 0, offload_kqv: bool = True) -> Settings:
+                 placement: str = "none", placement_layers: int = 0, offload_kqv: bool = True, n_cpu_moe: int = 0,
+                 swa_full: bool = False) -> Settings:
+        """A candidate of this space: the KV type for K and V, the threads for both thread counts, the
+        placement over layers 0..placement_layers-1."""
         return Settings(
             model_path=variant,
             n_gpu_layers=n_gpu_layers,
@@ -173,43 +244,83 @@ class SearchSpace:
             type_k=kv,
             type_v=kv,
             offload_kqv=offload_kqv,
+            swa_full=swa_full,
             tensor_overrides=placement_patterns(placement, placement_layers),
+            n_cpu_moe=n_cpu_moe,
             rpc_servers=self.rpc_servers,
         )
 
-    def params_for(self, s: Settings) -> dict[str, Any]:
-        """The Optuna parameters that produce ``s`` (for enqueueing seed trials)."""
-        params: dict[str, Any] = {}
-        if len(self.variants) > 1:
-            params["variant"] = Path(s.model_path).name
-        if self.has_gpu:
-            params["n_gpu_layers"] = min(s.n_gpu_layers if s.n_gpu_layers >= 0 else self.n_layer + 1, self.n_layer + 1)
-            if len(self.devices) > 1:
-                counts = _counts_from_split(self.n_layer, params["n_gpu_layers"], s.tensor_split, len(self.devices))
-                for d, c in zip(self.devices[:-1], counts):
-                    params[f"layers_on[{d.name}]"] = c
-        for name, value in (("n_ctx", s.n_ctx), ("kv_types", s.type_k), ("flash_attn", s.flash_attn),
-                            ("threads", s.n_threads), ("n_ubatch", s.n_ubatch), ("n_batch", s.n_batch)):
-            if len(getattr(self, name)) > 1:
-                params[name] = value
-        if self.has_gpu and len(self.offload_kqv) > 1:
-            params["offload_kqv"] = s.offload_kqv
-        if self.has_gpu and len(self.placements) > 1:
-            strategy, k = placement_of(s.tensor_overrides)
-            params["placements"] = strategy
-            if strategy != "none":
-                params["placement_layers"] = k
-        return params
+
+def _value(dim: Dimension, asker: Any, facts: Facts, chosen: Mapping[str, Any]) -> Any:
+    """One dimension's value: asked when it applies (its own ask, or a categorical over its domain
+    when there is a choice), else its fixed value."""
+    search = dim.search
+    assert search is not None
+    if search.applies(facts, chosen):
+        if search.ask is not None:
+            return search.ask(asker, facts, chosen)
+        domain = facts.domain(dim.name)
+        if len(domain) > 1:
+            return asker.suggest_categorical(dim.name, list(domain))
+        if domain:
+            return domain[0]
+    if search.fixed is not None:
+        return search.fixed(facts, chosen)
+    domain = facts.domain(dim.name)
+    return domain[0] if domain else dim.default
 
 
-def _counts_from_split(n_layer: int, ngl: int, split: Sequence[float] | None, n_devices: int) -> list[int]:
-    """Offloaded layers (output included) per device under llama.cpp's cumulative split rule,
-    for all devices but the last (which takes the rest)."""
-    from ..model.estimate import layer_devices
+class _Replay:
+    """An asker that answers from a path of choice indices (0 past its end) and records how many
+    choices each question had, and what it asked: enough to walk a conditional tree."""
 
-    names = [f"dev{i}" for i in range(n_devices)]
-    placement = layer_devices(n_layer, ngl, names, split)
-    return [placement.count(n) for n in names][:-1]
+    def __init__(self, path: Sequence[int]) -> None:
+        self.path = list(path)
+        self.sizes: list[int] = []
+        self.asked: dict[str, Any] = {}
+
+    def _pick(self, n: int) -> int:
+        i = len(self.sizes)
+        self.sizes.append(n)
+        return self.path[i] if i < len(self.path) else 0
+
+    def suggest_int(self, name: str, low: int, high: int) -> int:
+        _merge(self.asked, name, (low, high))
+        return low + self._pick(high - low + 1)
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        _merge(self.asked, name, list(choices))
+        return choices[self._pick(len(choices))]
+
+
+def _options(dim: Dimension, facts: Facts, chosen: Mapping[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """Every value one dimension can take after ``chosen``, with the parameters asked for it."""
+    out = []
+    path: list[int] = []
+    while True:
+        replay = _Replay(path)
+        out.append((_value(dim, replay, facts, chosen), replay.asked))
+        sizes = replay.sizes
+        index = (replay.path + [0] * len(sizes))[: len(sizes)]
+        j = len(sizes) - 1
+        while j >= 0 and index[j] + 1 >= sizes[j]:
+            j -= 1
+        if j < 0:
+            return out
+        path = index[:j] + [index[j] + 1]
+
+
+def _merge(asked: dict[str, Any], name: str, spec: Any) -> None:
+    """Record a parameter's range (widest over every branch) or categorical values."""
+    if isinstance(spec, tuple):
+        low, high = asked.get(name, spec)
+        asked[name] = (min(low, spec[0]), max(high, spec[1]))
+    else:
+        asked.setdefault(name, list(spec))
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _ctx_choices(min_ctx: int, n_ctx_train: int, max_choices: int = 3) -> tuple[int, ...]:
@@ -234,9 +345,16 @@ def build_space(
     n_prompt: int = 512,
     rpc_servers: Sequence[str] = (),
     unified_memory: bool = False,
+    supported: Collection[str] | None = None,
 ) -> SearchSpace:
-    """The search space for these variants of one model on this machine."""
+    """The search space for these variants of one model on this machine.
+
+    ``supported`` names the settings the engine can set (None: all, as the python engine); a
+    dimension it cannot set is left out (without ``n_cpu_moe``, the ``experts_cpu`` placement, the
+    same overrides spelled as regexes, stands in for it)."""
     first = models[0]
+    supported_set = frozenset(supported) if supported is not None else None
+    can = lambda name: supported_set is None or name in supported_set  # noqa: E731
     excluded: dict[str, str] = {}
     if min_ctx > first.n_ctx_train:
         excluded["n_ctx"] = f"--min-ctx {min_ctx} exceeds the training context {first.n_ctx_train}; using {min_ctx} anyway"
@@ -246,13 +364,32 @@ def build_space(
         if len(ctx) == 1:
             excluded["n_ctx"] = f"the training context ({first.n_ctx_train}) leaves no room above --min-ctx {min_ctx}"
     kv_types = tuple(t for t in ("f16", "q8_0", "q4_0") if all(t in m.kv_bytes_per_token for m in models))
-    placements: tuple[str, ...] = ("none",)
-    offload_kqv: tuple[bool, ...] = (True,)
+    domains: dict[str, tuple] = {
+        "n_ctx": ctx,
+        "flash_attn": ("on", "off"),
+        "type_k": kv_types,
+        "n_threads": thread_choices(physical_cores, logical_cores),
+        "n_ubatch": (128, 256, 512),
+    }
+    if n_prompt <= 512:
+        domains["n_batch"] = (max(512, n_prompt),)
+        excluded["n_batch"] = f"the benchmark prompt ({n_prompt} tokens) fits in one batch of 512: n_batch cannot matter"
+    else:
+        domains["n_batch"] = (512, 2048)
+    # every n_ubatch must fit in every n_batch (Settings refuses n_ubatch > n_batch)
+    assert max(domains["n_ubatch"]) <= min(domains["n_batch"])
+    has_swa = any(m.sliding_window and m.swa_layers for m in models)
     if devices:
-        placements = ("none", "ffn_cpu", "attn_cpu") + (("experts_cpu",) if first.is_moe else ())
-        offload_kqv = (True, False)
+        moe_placement = first.is_moe and not can("n_cpu_moe")
+        domains["tensor_overrides"] = ("none", "ffn_cpu", "attn_cpu") + (("experts_cpu",) if moe_placement else ())
+        domains["offload_kqv"] = (True, False)
         if not first.is_moe:
             excluded["placement: experts_cpu"] = "a dense model has no expert tensors"
+            excluded["n_cpu_moe"] = "a dense model has no expert tensors"
+        elif not moe_placement:
+            excluded["placement: experts_cpu"] = "n_cpu_moe keeps the experts of the first N layers on the CPU instead"
+        else:
+            excluded["n_cpu_moe"] = "the engine cannot set it: the experts_cpu placement stands in"
         if unified_memory:
             excluded["note"] = "unified memory: host and GPU share RAM, so offloading frees no memory, only moves compute"
     else:
@@ -260,25 +397,22 @@ def build_space(
         excluded["tensor_split"] = "no GPU or RPC device"
         excluded["tensor placement"] = "no GPU or RPC device: no tensor can be kept off one"
         excluded["offload_kqv"] = "no GPU or RPC device"
+        if first.is_moe:
+            excluded["n_cpu_moe"] = "no GPU or RPC device: every expert is on the CPU already"
     if len(devices) < 2 and devices:
         excluded["tensor_split"] = "one device: nothing to split"
-    if n_prompt <= 512:
-        n_batch: tuple[int, ...] = (max(512, n_prompt),)
-        excluded["n_batch"] = f"the benchmark prompt ({n_prompt} tokens) fits in one batch of 512: n_batch cannot matter"
-    else:
-        n_batch = (512, 2048)
+    if has_swa and can("swa_full"):
+        domains["swa_full"] = (False, True)
+    elif has_swa:
+        excluded["swa_full"] = "the engine cannot set it"
     return SearchSpace(
         variants=tuple(m.path for m in models),
         devices=tuple(devices),
         n_layer=first.n_layer,
-        n_ctx=ctx,
-        kv_types=kv_types,
-        flash_attn=("on", "off"),
-        threads=thread_choices(physical_cores, logical_cores),
-        n_ubatch=(128, 256, 512),
-        n_batch=n_batch,
-        placements=placements,
-        offload_kqv=offload_kqv,
+        domains=domains,
+        is_moe=first.is_moe,
+        has_swa=has_swa,
+        supported=supported_set,
         excluded=excluded,
         rpc_servers=tuple(rpc_servers),
     )
@@ -297,3 +431,5 @@ def rpc_devices_from(report: Sequence[Mapping[str, Any]]) -> list[Device]:
     return out
 
 
+__all__ = ["Device", "SearchSpace", "build_space", "rpc_devices_from", "thread_choices", "SEARCHED", "PLACEMENTS",
+           "counts_from_split"]

@@ -27,6 +27,7 @@ import json
 import math
 import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -53,7 +54,7 @@ from .variants import expand_variants, vet_variants
 MiB = 1 << 20
 Event = dict[str, Any]
 
-__all__ = ["OBJECTIVES", "TuneResult", "Tuner", "expand_variants", "score", "study_name_for", "tune"]
+__all__ = ["OBJECTIVES", "TuneResult", "Tuner", "expand_variants", "make_sampler", "score", "study_name_for", "tune"]
 
 
 @dataclass
@@ -91,6 +92,17 @@ class TuneResult:
             "trade": self.trade,
             "target": self.target,
         }
+
+
+def make_sampler(seed: int) -> Any:
+    """The study's sampler: multivariate TPE with group=True, since the space is conditional (a
+    parameter is asked only where it can matter) and TPE then models each group of parameters
+    asked together (Optuna marks group experimental)."""
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=4, multivariate=True, group=True)
 
 
 def study_name_for(model: ModelInfo, machine: Machine, space: SearchSpace, objective: str, bench: BenchSpec, min_ctx: int) -> str:
@@ -216,13 +228,8 @@ class Tuner:
             unified_memory=self.machine.unified_memory,
         )
         if space_overrides:
-            # fix or narrow dimensions (e.g. {"kv_types": ("f16",)}): a study of fewer questions
-            import dataclasses
-
-            unknown = set(space_overrides) - {f.name for f in dataclasses.fields(SearchSpace)}
-            if unknown:
-                raise SettingsError("space_overrides", f"unknown dimension(s): {', '.join(sorted(unknown))}")
-            self.space = dataclasses.replace(self.space, **{k: tuple(v) for k, v in space_overrides.items()})
+            # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
+            self.space = self.space.narrowed(**space_overrides)
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, vram_margin)
         # a SQLAlchemy URL; or an Optuna storage object (simulations keep their studies in memory)
         self._storage = storage or study_storage_url()
@@ -259,7 +266,7 @@ class Tuner:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=4, multivariate=True)
+        sampler = make_sampler(self.seed)
         study = optuna.create_study(storage=self._storage, study_name=self.study_name, direction="maximize",
                                     load_if_exists=True, sampler=sampler)
         if self.quality is not None:
