@@ -40,6 +40,8 @@ def test_defaults_are_valid():
                                            "take minutes or forever (llama.cpp matches it against every tensor name by "
                                            "backtracking); write the cases out instead, e.g. blk\\.(0|1|2)\\.ffn_.* or blk\\.\\d+\\.ffn_up"),
         ({"tensor_overrides": ["x" * 5000]}, "settings.tensor_overrides[0]: a pattern of 5000 characters (at most 4096)"),
+        ({"n_cpu_moe": -1}, "settings.n_cpu_moe: expected a count of layers >= 0, got -1"),
+        ({"n_cpu_moe": 10**400}, "settings.n_cpu_moe: expected at most 1024, got a number of 401 digits"),
     ],
 )
 def test_invalid_settings_name_the_field(changes, message):
