@@ -32,7 +32,7 @@ def space_of(sim, **overrides):
     m = sim.machine()
     space = build_space(list(sim.models.values()), devices=accelerator_devices(m), physical_cores=m.physical_cores,
                         logical_cores=m.logical_cores, min_ctx=sim.min_ctx, n_prompt=512)
-    return dataclasses.replace(space, **overrides) if overrides else space
+    return space.narrowed(**overrides) if overrides else space
 
 
 def bench_of(sim):
@@ -96,7 +96,7 @@ def test_optimum_equals_brute_force_on_a_small_space():
 
     space = build_space([info], devices=[Device("CUDA0", 1, 1), Device("CUDA1", 1, 1)], physical_cores=16, logical_cores=32,
                         min_ctx=4096, n_prompt=512)
-    space = dataclasses.replace(space, threads=(8, 32), n_ubatch=(128, 512))
+    space = space.narrowed(threads=(8, 32), n_ubatch=(128, 512))
     bench = BenchSpec(n_prompt=64, n_gen=16, depth=1024)
     best = exhaustive.optimum(space, engine, bench)
     brute, count, fit = -1.0, 0, 0

@@ -28,11 +28,22 @@ from ..engine.base import BenchSpec
 from ..engine.roofline import RooflineEngine
 from ..engine.settings import Settings
 from ..errors import SettingsError
-from ..model.estimate import CPU, compute_buffer, pad
+from ..model.estimate import CPU, compute_buffer, moved_stage_buffer, pad
 from ..model.inspect import ModelInfo
 from .space import SearchSpace, placement_patterns
 
 _FLOAT_KV = ("f16", "f32", "bf16")
+# the compute stage whose weights a placement strategy keeps on the host (estimate.compute_buffer's)
+_STAGE = {"none": None, "ffn_cpu": "ffn", "experts_cpu": "ffn", "attn_cpu": "attention"}
+_BOTH = frozenset({"attention", "ffn"})
+
+
+def strategies(space: SearchSpace) -> tuple[str, ...]:
+    """The space's placement strategies, and "experts_cpu" where the space searches n_cpu_moe
+    instead: --n-cpu-moe k keeps the experts of layers 0..k-1 on the host, as that strategy does."""
+    extra = ("experts_cpu",) if space.is_moe and "experts_cpu" not in space.placements and (
+        space.supported is None or "n_cpu_moe" in space.supported) else ()
+    return tuple(space.placements) + extra
 
 
 @dataclass(frozen=True)
@@ -88,7 +99,7 @@ class _Block:
         self.host_only = float(c.n_bytes[c.layer < 0].sum())
         self.P_all = _prefix(c.per_layer(c.n_bytes, np.ones(len(c.names), dtype=bool)))
         self.P_match = {}
-        for strategy in space.placements:
+        for strategy in strategies(space):
             patterns = placement_patterns(strategy, L)
             per_layer = c.per_layer(c.n_bytes, c.mask(patterns)) if patterns else np.zeros(L + 1)
             self.P_match[strategy] = _prefix(per_layer)
@@ -115,9 +126,10 @@ class _Block:
         key = (n_ctx, n_ubatch, fa)
         if key not in self._cb:
             cells = pad(n_ctx if n_ctx > 0 else self.info.n_ctx_train, 256)
-            self._cb[key] = {(o, l, h): compute_buffer(self.info, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=fa, has_output=o,
-                                                       has_layers=l, host=h)
-                             for o in (True, False) for l in (True, False) for h in (True, False)}
+            self._cb[key] = {(o, l, h, st): compute_buffer(self.info, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=fa, has_output=o,
+                                                           has_layers=l, host=h, stages=st)
+                             for o in (True, False) for l in (True, False) for h in (True, False)
+                             for st in (_BOTH, frozenset({"attention"}), frozenset({"ffn"}))}
         return self._cb[key]
 
     def weights(self, strategy: str, ks: np.ndarray) -> dict[str, Any]:
@@ -129,7 +141,7 @@ class _Block:
         P_match = self.P_match[strategy]
         moved_all = P_match[np.minimum(L + 1, k)]
         # the strategies' k starts at 1, so an override is present in every candidate but "none"'s
-        out: dict[str, Any] = {"patterns": strategy != "none"}
+        out: dict[str, Any] = {"patterns": strategy != "none", "strategy": strategy, "k": k}
         out[CPU] = self.host_only + self.P_all[start][None] + (moved_all - self.moved(P_match, k, start))
         for name, (lo, hi) in zip(self.devices, self.spans):
             out[name] = (self.P_all[hi][None] - self.moved(P_match, k, hi)) - (self.P_all[lo][None] - self.moved(P_match, k, lo))
@@ -150,19 +162,27 @@ class _Block:
         mask = cells * n_ubatch * (2 if fa else 4)
         row = n_ubatch * self.info.n_embd * 4
         layers_cpu = self.layers_cpu
+        k = weights["k"]
+        moved = _STAGE[weights["strategy"]]
+        # a host that runs no layer still runs the ops of the weights the strategy keeps on it, when
+        # the override reaches an offloaded layer (estimate.moved_stage_buffer)
+        host_ops = (moved_stage_buffer(self.info, n_ubatch=n_ubatch, stages={moved}) if moved else 0) * (k > start[None])
         c_cpu = np.where((layers_cpu > 0) | (self.g == 0),
-                         np.where(layers_cpu > 0, cb[(True, True, True)], cb[(True, False, True)]),
-                         copies * mask + np.where(pipeline, 5 if fa else 9, 2 if fa else 3) * row)
+                         np.where(layers_cpu > 0, cb[(True, True, True, _BOTH)], cb[(True, False, True, _BOTH)]),
+                         copies * mask + np.where(pipeline, 5 if fa else 9, 2 if fa else 3) * row + host_ops)
         ok = np.ones(weights[CPU].shape, dtype=bool)
         gpu_total = 0.0
         extra = np.where(pipeline, (copies - 1) * mask + (4 if fa else 7) * row, 0)
+        rest_stages = frozenset(_BOTH - {moved}) if moved else _BOTH
         for name, (lo, hi), n, out in zip(self.devices, self.spans, self.layers, self.output):
             kv_dev = (P_kv[hi] - P_kv[lo]) if kqv else 0.0
             runs = n > 0
-            c_dev = np.where(runs, np.where(out, cb[(True, True, False)], cb[(False, True, False)]),
-                             np.where(out, cb[(True, False, False)], 0))
-            rest = kv_dev + np.where(runs | out, c_dev + extra, 0)  # the same for every k
-            total = weights[name] + rest
+            # the device keeps the moved stage where one of its layers is at or past k
+            keeps = np.minimum(hi, L)[None] > k
+            both = np.where(out, cb[(True, True, False, _BOTH)], cb[(False, True, False, _BOTH)])
+            rest = np.where(out, cb[(True, True, False, rest_stages)], cb[(False, True, False, rest_stages)])
+            c_dev = np.where(runs, np.where(keeps, both, rest), np.where(out, cb[(True, False, False, _BOTH)], 0))
+            total = weights[name] + kv_dev + np.where(runs | out, c_dev + extra, 0)
             if self.engine.unified:
                 gpu_total = gpu_total + total
             ok &= total <= self.engine.capacity[name]
@@ -217,8 +237,8 @@ def optimum(space: SearchSpace, engine: RooflineEngine, bench: BenchSpec) -> Opt
         info = engine.models[variant]
         block = _Block(space, engine, info)
         L = info.n_layer
-        weights = {strategy: block.weights(strategy, _ks(strategy, L)) for strategy in space.placements}
-        for strategy, kqv, (kv, fa) in itertools.product(space.placements, space.offload_kqv, kv_fa):
+        weights = {strategy: block.weights(strategy, _ks(strategy, L)) for strategy in strategies(space)}
+        for strategy, kqv, (kv, fa) in itertools.product(strategies(space), space.offload_kqv, kv_fa):
             base = dict(model_path=variant, n_ctx=space.n_ctx[0], flash_attn=fa, type_k=kv, type_v=kv, offload_kqv=kqv,
                         rpc_servers=space.rpc_servers)
             try:
@@ -229,7 +249,7 @@ def optimum(space: SearchSpace, engine: RooflineEngine, bench: BenchSpec) -> Opt
             times_over: dict[int, Any] = {t: None for t in threads}
             if strategy != "none":
                 for t, s in plain.items():
-                    o = Settings(**{**base, "tensor_overrides": placement_patterns(strategy, L)}, n_threads=t, n_threads_batch=t)
+                    o = Settings(**{**base, **_placed(space, strategy, L)}, n_threads=t, n_threads_batch=t)
                     times_over[t] = {d: _prefix(x) for d, x in engine.layer_times(o, engine.work(o, 1, context)).items()}
             ks = _ks(strategy, L)
             first = np.full((len(ks), *block.shape), -1)
@@ -287,11 +307,22 @@ def _host_only(space: SearchSpace, engine: RooflineEngine, bench: BenchSpec) -> 
     return Optimum(value=best[0], settings=best[1], grid_size=size, feasible=feasible)
 
 
+def _placed(space: SearchSpace, strategy: str, k: int) -> dict[str, Any]:
+    """The settings of a strategy over layers 0..k-1: n_cpu_moe for the experts where the space
+    searches it, else the strategy's overrides."""
+    if strategy == "experts_cpu" and "experts_cpu" not in space.placements:
+        return {"n_cpu_moe": k}
+    return {"tensor_overrides": placement_patterns(strategy, k)}
+
+
 def _settings(space: SearchSpace, c: dict[str, Any]) -> Settings:
     split = space.split_from_counts(c["ngl"], c["counts"]) if len(space.devices) > 1 else None
+    placed = _placed(space, c["strategy"], c["k"]) if c["strategy"] != "none" else {}
+    strategy = "none" if "n_cpu_moe" in placed else c["strategy"]
     return space.settings(variant=c["variant"], n_gpu_layers=c["ngl"], tensor_split=split, n_ctx=c["n_ctx"], kv=c["kv"],
                           flash_attn=c["fa"], threads=c["threads"], n_ubatch=c["ub"], n_batch=max(space.n_batch[0], c["ub"]),
-                          placement=c["strategy"], placement_layers=c["k"], offload_kqv=c["kqv"])
+                          placement=strategy, placement_layers=c["k"] if strategy != "none" else 0, offload_kqv=c["kqv"],
+                          n_cpu_moe=placed.get("n_cpu_moe", 0))
 
 
 def describe(s: Settings, value: float | None = None) -> str:
