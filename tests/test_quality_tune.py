@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from tuner.cli.main import cli
-from tuner.profile.document import Profile
+from tuner.profile.document import SCHEMA_VERSION, Profile
 from tuner.search.quality import quality
 from tuner.search.study import Tuner
 from tuner.testing import ModelShape, make_model, quantize
@@ -50,7 +50,7 @@ def test_a_budget_that_excludes_q4_k_m_makes_q8_0_win(family, tuner_home, tmp_pa
     assert launched and set(launched) == {str(family["Q8_0"])}  # Q4_K_M was never launched for speed
     profile = Profile.from_dict(json.loads(result.profile_path.read_text()))
     assert Path(profile.settings.model_path).name == "tf-Q8_0.gguf"
-    assert profile.schema_version == "1.1"
+    assert profile.schema_version == SCHEMA_VERSION
     assert profile.quality is not None and profile.quality.kl_mean == pytest.approx(kl8)
     assert profile.quality.reference_file == "tf-F32.gguf" and profile.quality.reference_sha256 == measured.reference_sha256
     assert (profile.quality.n_ctx, profile.quality.chunks, profile.quality.corpus_sha256) == (64, 4, measured.corpus_sha256)
