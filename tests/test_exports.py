@@ -287,3 +287,89 @@ def test_llama_bench_runs_the_exported_flags(llama_parsers, tiny_model, variant)
     assert run["n_cpu_moe"] == s.n_cpu_moe
     if s.n_threads is not None:
         assert run["n_threads"] == s.n_threads
+
+
+# -- hostile strings ------------------------------------------------------------------------------
+
+# Shell syntax that runs something when a line is eval'ed or sourced carelessly: command
+# substitution, backticks, separators, redirections, quotes that close early, a variable.
+def _payload(tag: str, marks: Path) -> str:
+    m = f"{marks}/{tag}"
+    return (f"x$(touch {m}-subst)`touch {m}-tick`;touch {m}-semi |touch {m}-pipe &touch {m}-amp "
+            f">{m}-redirect '\"'$(touch {m}-quote)\"' ${{HOME}}$PATH")
+
+
+def _hostile_profile(tmp_path: Path, marks: Path) -> Path:
+    """A profile whose every free-text field is shell syntax, in a file whose own name holds a
+    newline and a command (profile.name, written into comments)."""
+    document = profile_dict(
+        make_machine(gpus=((_payload("gpu", marks), 24 * GiB),)),
+        model_path=f"/models/{_payload('path', marks)}.gguf",
+        tensor_overrides=[rf"blk\.0\.ffn_$(touch {marks}/override)`touch {marks}/override2`;x"],
+    )
+    document["model"]["file_name"] = _payload("file", marks) + ".gguf"
+    document["machine"]["cpu_model"] = _payload("cpu", marks)
+    document["machine"]["system"] = _payload("system", marks)
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    # (a file name holds no "/": these commands would touch ran-name... in the shell's folder)
+    path = folder / "team\n$(touch ran-name);touch ran-name2 `touch ran-name3`.json"
+    path.write_text(json.dumps(document))
+    return path
+
+
+def _source(text: str, tmp_path: Path, how: str) -> subprocess.CompletedProcess:
+    """``text`` sourced (or eval'ed) by bash, with the tools it names as functions that record
+    their arguments, one per line, in args.txt."""
+    script = tmp_path / "export.txt"
+    script.write_text(text)
+    record = 'printf "%s\\n" "$@" >> "$ARGS"'
+    prelude = "".join(f'{name}() {{ {record}; }}; ' for name in ("llama-server", "llama-cli", "llama-bench", "FROM", "PARAMETER"))
+    command = prelude + (f'source "{script}"' if how == "source" else f'eval "$(cat "{script}")"') + '; printf "%s\\0" "$LLAMA_ARG_MODEL" "$LLAMA_ARG_OVERRIDE_TENSOR" > "$ENVS"'
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "ARGS": str(tmp_path / "args.txt"), "ENVS": str(tmp_path / "envs.txt")})
+
+
+@pytest.mark.parametrize("how", ["source", "eval"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_export_of_a_hostile_profile_is_safe_to_source(tmp_path, fmt, how):
+    marks = tmp_path / "ran"
+    marks.mkdir()
+    path = _hostile_profile(tmp_path, marks)
+    # the model path on this machine: hostile too, and with a newline, for the formats that can carry
+    # it; a Modelfile cannot (see the next test), so it gets a plain one
+    here = f"/data/{_payload('here', marks)}\n$(touch {marks}/here-newline).gguf" if fmt != "ollama" else "/data/my models/q.gguf"
+    args = ["args", str(path), "--for", fmt, "--model", here]
+    result = CliRunner().invoke(profile_group, args)
+    assert result.exit_code == 0, result.output
+    proc = _source(result.stdout, tmp_path, how)
+    assert sorted(p.name for p in marks.iterdir()) == [] and not list(tmp_path.glob("ran-*")), (result.stdout, proc.stderr)
+    # and the values arrived whole: the model path and the override, as one argument each
+    recorded = (tmp_path / "args.txt").read_text() if (tmp_path / "args.txt").exists() else ""
+    envs = (tmp_path / "envs.txt").read_text()
+    profile = Profile.from_dict(json.loads(path.read_text()))
+    if fmt == "env":
+        assert envs.split("\0")[:2] == [here, f"{profile.settings.tensor_overrides[0]}=CPU"]
+    elif fmt == "ollama":
+        assert recorded.startswith("/data/my\nmodels/q.gguf\n")  # FROM, then the PARAMETER lines
+    else:
+        assert f"\n{here}\n" in recorded and recorded.startswith("-m\n")
+        assert f"{profile.settings.tensor_overrides[0]}=CPU" in recorded
+
+
+def test_a_modelfile_cannot_carry_a_path_with_shell_or_quote_characters(tmp_path):
+    marks = tmp_path / "ran"
+    marks.mkdir()
+    path = _hostile_profile(tmp_path, marks)
+    # the recorded path and any path given with --model go through the same check
+    for extra in ([], ["--model", "/data/model \"2\".gguf"], ["--model", "/data/a\nADAPTER /evil.gguf"]):
+        result = CliRunner().invoke(profile_group, ["args", str(path), "--for", "ollama", *extra])
+        assert result.exit_code == 1 and result.stdout == ""
+        assert result.output.startswith("Error: cannot write the Modelfile's FROM line: ")
+        assert "Give the model's path on this machine with --model PATH" in result.output
+    plain = CliRunner().invoke(profile_group, ["args", str(path), "--for", "ollama", "--model", "/data/my models/q-4,k+m@2.gguf"])
+    assert plain.exit_code == 0 and "\nFROM /data/my models/q-4,k+m@2.gguf\n" in plain.stdout
+    # the profile's hostile names are in the comments, escaped, each comment one line
+    comments = [line for line in plain.stdout.splitlines() if line.startswith("#")]
+    assert any("$(touch" in line for line in comments) and any("\\n$(touch" in line for line in comments)
+    assert all(line.startswith(("#", "FROM ", "PARAMETER ")) for line in plain.stdout.splitlines())

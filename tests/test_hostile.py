@@ -270,3 +270,252 @@ def test_tune_refuses_absurd_options_in_one_line(models, tuner_home, args, messa
                           cwd=ROOT, env={**os.environ, "OFFLOAD_TUNER_HOME": str(tuner_home)}, timeout=300)
     assert proc.returncode == 2
     assert one_error_line(proc) == message
+
+
+# -- GGUF headers that lie -------------------------------------------------------------------------
+
+
+def _patched(model: Path, out: Path, key: str, value: int, vtype: int = 4) -> Path:
+    """A copy of ``model`` whose metadata ``key`` holds ``value`` (a 4-byte integer, uint32 by default,
+    5 for int32), written over the header in place: every other byte is the real model's."""
+    import struct
+
+    data = bytearray(model.read_bytes())
+    name = key.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    assert struct.unpack_from("<I", data, at)[0] in (4, 5), "the key is not a 4-byte integer"
+    struct.pack_into("<I", data, at, vtype)
+    struct.pack_into("<I" if vtype == 4 else "<i", data, at + 4, value)
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("key, value, vtype, expected", [
+    ("llama.block_count", 10 ** 9, 4, "llama.block_count is 1000000000; expected a whole number from 1 to 65536"),
+    ("llama.block_count", 40, 4, "llama.block_count is 40; expected at most the layers the file holds: tensors for 4 layers (blk.0 to blk.3)"),
+    ("llama.block_count", 0, 4, "llama.block_count is 0; expected a whole number from 1 to 65536"),
+    ("llama.block_count", -4, 5, "llama.block_count is -4; expected a whole number from 1 to 65536"),
+    ("llama.attention.head_count_kv", 0, 4, "llama.attention.head_count_kv is 0; expected at least 1 (a model whose layers attend has key/value heads)"),
+    ("llama.embedding_length", 2 ** 32 - 1, 4, "llama.embedding_length is 4294967295; expected a whole number from 1 to 1048576"),
+    ("llama.embedding_length", 512, 4, "llama.embedding_length is 512; expected the width of token_embd.weight (256)"),
+    ("llama.context_length", 0, 4, "llama.context_length is 0; expected a whole number from 1 to 4294967296"),
+])
+def test_absurd_counts_in_a_gguf_header_are_named_not_allocated(models, tmp_path, key, value, vtype, expected):
+    from tuner.errors import NotGGUFError
+    from tuner.model.inspect import inspect
+
+    path = _patched(models["f16"], tmp_path / "lying.gguf", key, value, vtype)
+    with pytest.raises(NotGGUFError) as info:
+        inspect(path)
+    assert str(info.value) == f"{path}: corrupt GGUF header: {expected}"
+    # every command that sizes the model says the same, in one line
+    for command in (["inspect", str(path)], ["estimate", str(path), "-ngl", "99"], ["tune", str(path), "--trials", "1"]):
+        proc = subprocess.run([sys.executable, "-m", "tuner", *command], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                              env={**os.environ, "OFFLOAD_TUNER_HOME": str(tmp_path / "home")})
+        assert proc.returncode == 2, command
+        assert one_error_line(proc) == f"Error: {path}: corrupt GGUF header: {expected}"
+
+
+def test_bench_on_a_gguf_cut_in_its_data_is_one_line(models, tmp_path):
+    data = models["q8_0"].read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) * 2 // 3])
+    proc = subprocess.run([sys.executable, "-m", "tuner", "bench", str(cut), "-p", "8", "-n", "4", "-r", "1"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    line = one_error_line(proc)
+    assert line.startswith(f"Error: {cut}: truncated GGUF: tensor ") and "re-download or re-convert it" in line
+
+
+# -- names, paths and numbers a profile or a command line can hold ---------------------------------
+
+
+def test_a_model_file_name_that_is_not_utf8(models, tmp_path):
+    # Linux file names are bytes; Python keeps the ones that are not UTF-8 as surrogate escapes.
+    path = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/model-\xff.gguf"))
+    path.write_bytes(models["q8_0"].read_bytes())
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict", "OFFLOAD_TUNER_HOME": str(tmp_path / "home")}
+    for command in (["inspect", str(path)], ["bench", str(path), "-p", "8", "-n", "4", "-r", "1"]):
+        proc = subprocess.run([sys.executable, "-m", "tuner", *command], capture_output=True, cwd=ROOT, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-2000:]
+        assert b"model-\xff.gguf" in proc.stdout  # the name as its own bytes
+    assert b"outcome: ok" in proc.stdout  # llama.cpp opened it
+    # a tune of it keeps its study and writes a profile the app finds
+    from tuner.engine.fake import ScriptedRunner
+    from tuner.model.inspect import inspect
+    from tuner.profile.apps import load_profile
+    from tuner.search.study import Tuner
+
+    info = inspect(path)
+    result = Tuner(path, trials=2, machine=machine(), engine=ScriptedRunner({info.path: info}), **kwargs()).run()
+    assert result.profile_error is None and result.study_name.startswith("model-\ufffd-")
+    assert load_profile(path, machine=machine()).path == str(result.profile_path)
+
+
+def test_a_profile_nested_100000_levels_deep(models, tmp_path):
+    from tuner.errors import NoMatchingProfileError, ProfileError
+    from tuner.profile.apps import load_profile
+    from tuner.profile.store import read_profile
+
+    deep = tmp_path / "profiles" / "deep.json"
+    deep.parent.mkdir()
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ProfileError) as info:
+        read_profile(deep)
+    assert str(info.value) == f"{deep}: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
+    with pytest.raises(NoMatchingProfileError) as info:
+        load_profile(models["q8_0"], search_path=[deep.parent], machine=machine())
+    assert f"{deep}: unreadable: {deep}: not a profile: its JSON is nested too deeply" in str(info.value)
+    proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "show", str(deep)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1 and one_error_line(proc) == f"Error: {deep}: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
+
+
+def _profile_of(model: Path, **settings) -> dict:
+    from tests.test_profile import profile_dict
+    from tuner.model.gguf import model_fingerprint
+
+    document = profile_dict(machine(), model_fingerprint(model), **settings)
+    document["settings"].update(n_gpu_layers=0, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, n_threads_batch=2,
+                                flash_attn="on", tensor_split=None)
+    document["min_ctx"] = 512
+    document["memory"] = {"predicted": {"CPU": {"weights": 1, "kv": 1, "compute": 1, "total": 3}}, "actual": {}}
+    return document
+
+
+def test_a_bundle_with_hostile_names_imports_every_valid_profile_and_reports_the_rest(models, tmp_path):
+    from tuner.profile.store import import_bundle
+
+    good = _profile_of(models["q8_0"])
+    other = _profile_of(models["q4_k_m"])
+    long_name = _profile_of(models["f16"])
+    long_name["model"]["file_name"] = "m" * 5000 + ".gguf"
+    newline = _profile_of(models["f16"])
+    newline["model"]["file_name"] = "x.gguf\ntouch pwned"
+    huge = _profile_of(models["f16"])
+    huge["settings"]["n_gpu_layers"] = 10 ** 400
+    bundle = tmp_path / "team.json"
+    bundle.write_text('{"bundle_version": "1.0", "created_at": "2026-03-01T12:00:00Z", "profiles": ['
+                      + ",".join(json.dumps(d) for d in (good, long_name, newline, other)) + ","
+                      + json.dumps(huge).replace('"n_gpu_layers": ' + str(10 ** 400), '"n_gpu_layers": ' + "9" * 400) + "]}")
+    results = import_bundle(bundle, dest=tmp_path / "dest")
+    assert [r.action for r in results] == ["imported", "invalid", "invalid", "imported", "invalid"]
+    assert results[1].detail == "profiles[1].model.file_name: expected at most 4096 characters, got 5005"
+    assert results[2].detail == "profiles[2].model.file_name: holds a control character (\\n); a name in a profile must be printable"
+    assert results[4].detail.startswith("profiles[4].settings.n_gpu_layers: expected at most 65536, got a number of 400 digits")
+    proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "import", str(bundle), "--to", str(tmp_path / "dest2")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stdout.splitlines()[-1] == "2 imported, 3 invalid"
+    assert one_error_line(proc) == f"Error: 3 profile(s) in {bundle} are invalid and were not imported"
+    assert len(list((tmp_path / "dest2").glob("*.json"))) == 2
+
+
+def test_an_import_into_a_read_only_folder_reports_each_profile(models, tmp_path, read_only):
+    bundle = tmp_path / "team.json"
+    bundle.write_text(json.dumps({"bundle_version": "1.0", "created_at": "2026-03-01T12:00:00Z",
+                                  "profiles": [_profile_of(models["q8_0"]), _profile_of(models["q4_k_m"])]}))
+    folder = read_only(tmp_path / "dest")
+    proc = run_cli_enforced("profile", "import", str(bundle), "--to", str(folder))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("profiles[0] failed: cannot write ") and lines[0].endswith(": Permission denied")
+    assert lines[1].startswith("profiles[1] failed: ") and lines[-1] == "2 failed"
+    assert one_error_line(proc) == "Error: 2 profile(s) could not be written (see above)"
+
+
+def test_llama_refuses_absurd_keywords_and_profiles_before_llama_cpp_sees_them(models, tmp_path):
+    from tests.test_profile import write_profile
+    from tuner.errors import NoMatchingProfileError, SettingsError
+    from tuner.profile.apps import Llama, load_profile
+
+    folder = tmp_path / "profiles"
+    path = write_profile(folder, _profile_of(models["q8_0"]))
+    with pytest.raises(SettingsError) as info:
+        Llama(models["q8_0"], profile=path, machine=machine(), n_ctx=2 ** 62)
+    assert str(info.value) == "n_ctx: expected at most 16777216, got 4611686018427387904 (tuner.Llama's keyword n_ctx)"
+    with pytest.raises(SettingsError, match=r"^n_gpu_layers: expected at most 65536, got a number of 401 digits"):
+        Llama(models["q8_0"], profile=path, machine=machine(), n_gpu_layers=10 ** 400)
+    # a profile that says n_ctx 2^62 is no profile, and `profile check` does not say it fits
+    absurd = _profile_of(models["q8_0"])
+    absurd["settings"]["n_ctx"] = 2 ** 62
+    path.write_text(json.dumps(absurd))
+    with pytest.raises(NoMatchingProfileError, match=r"settings.n_ctx: expected at most 16777216, got 4611686018427387904"):
+        load_profile(models["q8_0"], search_path=[folder], machine=machine())
+    from click.testing import CliRunner
+
+    from tuner.cli.profile import profile_group
+
+    result = CliRunner().invoke(profile_group, ["check", str(models["q8_0"])], obj={"machine": machine()},
+                                env={"OFFLOAD_TUNER_PROFILE_PATH": str(folder)})
+    assert result.exit_code == 1 and "fits" not in result.stdout
+    assert "settings.n_ctx: expected at most 16777216" in result.output
+
+
+# A shared profile's tensor override that backtracks forever: std::regex in llama.cpp and Python's
+# re both take exponential time on "(a+)+$" against a name of a's; a tensor name is 64 characters.
+_LLAMA_WITH_PROFILE = r"""
+import sys, time, warnings
+from tuner.profile.apps import Llama
+exec(sys.argv[3])
+warnings.simplefilter("ignore")
+started = time.monotonic()
+try:
+    llm = Llama(sys.argv[1], profile=sys.argv[2], machine=machine(), verbose=False)
+    print("loaded", round(time.monotonic() - started, 1))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_catastrophic_override_is_refused_and_the_worst_accepted_one_loads_quickly(models, tmp_path):
+    from tests.test_profile import write_profile
+
+    folder = tmp_path / "profiles"
+    document = _profile_of(models["q8_0"], tensor_overrides=["(a+)+$"])
+    hostile = write_profile(folder, document, "hostile.json")
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_WITH_PROFILE, str(models["q8_0"]), str(hostile), _MACHINE],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.stdout.startswith("ProfileValidationError settings.tensor_overrides[0]: a repeated group (+ after a group)"), proc.stderr[-2000:]
+    # the slowest the restricted syntax allows: four unbounded repetitions, each separated by a
+    # literal that real tensor names hold many times, none matching in the end
+    document = _profile_of(models["q8_0"], tensor_overrides=[r".*\..*_.*\..*_z$"])
+    worst = write_profile(folder, document, "worst.json")
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_WITH_PROFILE, str(models["q8_0"]), str(worst), _MACHINE],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.stdout.startswith("loaded "), proc.stdout + proc.stderr[-2000:]
+
+
+# -- RPC servers ------------------------------------------------------------------------------------
+
+
+def test_rpc_serve_refuses_a_bad_port_and_fails_when_it_cannot_listen():
+    import socket
+
+    proc = subprocess.run([sys.executable, "-m", "tuner", "rpc-serve", "--port", "99999"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and one_error_line(proc) == "Error: --port: expected a port from 1 to 65535, got 99999"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "tuner", "rpc-serve", "--port", str(port)], capture_output=True,
+                              text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2
+    assert one_error_line(proc) == f"Error: cannot serve on 127.0.0.1:{port}: Address already in use"
+
+
+def test_an_unreachable_rpc_server_is_reported_in_words(models):
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        endpoint = f"127.0.0.1:{port}"
+        words = f"cannot connect to {endpoint}: Connection refused; is `offload-tuner rpc-serve` running there?"
+        proc = subprocess.run([sys.executable, "-m", "tuner", "probe", "--rpc", endpoint, "--json"], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["rpc_devices"] == [{"endpoint": endpoint, "error": words}]
+        proc = subprocess.run([sys.executable, "-m", "tuner", "bench", str(models["q8_0"]), "--rpc", endpoint, "-ngl", "2",
+                               "-p", "8", "-n", "4", "-r", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert proc.returncode == 2 and one_error_line(proc) == f"Error: {words}"

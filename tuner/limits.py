@@ -84,8 +84,18 @@ MAX_GGUF_CONTEXT = 1 << 32   # a training context the header claims (uint32 in l
 # made the apps' arithmetic raise OverflowError).
 MAX_DOCUMENT_INT = 1 << 60
 MAX_DOCUMENT_FLOAT = 1e18
-# A JSON document nested deeper than this is not a profile (json.loads hit RecursionError at 100,000).
-MAX_JSON_DEPTH = 64
+
+
+def shown(value: object, width: int = 80) -> str:
+    """``value`` for an error message: a number of 30 digits or more by its count of digits (a
+    400-digit one is not printed whole, and ``str()`` refuses 4,300 digits), anything else as
+    ``repr`` cut to ``width`` characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        bits = abs(value).bit_length()
+        digits = len(str(abs(value))) if bits < 14_000 else int(bits * 0.30103) + 1
+        return f"a number of {digits} digits"
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 3]}..."
 
 
 def control_character(text: str) -> str | None:
@@ -195,6 +205,6 @@ def check_tensor_pattern(pattern: object) -> str | None:
 __all__ = [
     "MAX_CTX", "MAX_BATCH", "MAX_GPU_LAYERS", "MAX_CPU_MOE", "MAX_THREADS", "MAX_DEVICES", "MAX_PROPORTION", "SETTING_MAX", "MAX_NAME", "MAX_PATH",
     "MAX_OVERRIDES", "MAX_OVERRIDE_LENGTH", "MAX_UNBOUNDED", "MIN_PORT", "MAX_PORT", "MAX_GGUF_LAYERS", "MAX_GGUF_EMBD", "MAX_GGUF_HEADS",
-    "MAX_GGUF_EXPERTS", "MAX_GGUF_CONTEXT", "MAX_DOCUMENT_INT", "MAX_DOCUMENT_FLOAT", "MAX_JSON_DEPTH",
-    "control_character", "check_name", "check_tensor_pattern",
+    "MAX_GGUF_EXPERTS", "MAX_GGUF_CONTEXT", "MAX_DOCUMENT_INT", "MAX_DOCUMENT_FLOAT",
+    "shown", "control_character", "check_name", "check_tensor_pattern",
 ]

@@ -46,6 +46,18 @@ def cli(ctx: click.Context, debug: bool) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    _tolerant_output()
+
+
+def _tolerant_output() -> None:
+    """A file name that is not UTF-8 (Linux keeps it as surrogate escapes) is printed as its own
+    bytes, and anything the terminal's encoding lacks as an escape, never a UnicodeEncodeError."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        try:
+            stream.reconfigure(errors="surrogateescape" if encoding == "utf8" else "backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
 
 
 def _emit(as_json: bool, data: Any, text: Callable[[], str]) -> None:
@@ -301,8 +313,11 @@ def format_machine(m: Any) -> str:
             used = f"{p.used_memory / MiB:.0f} MiB" if p.used_memory else "? MiB"
             lines.append(f"      held by pid {p.pid} ({p.name}): {used}")
     for d in m.rpc_devices:
-        lines.append(f"  RPC {d['endpoint']}: {d.get('name', '')} {d.get('memory_free', 0) / MiB:.0f} / {d.get('memory_total', 0) / MiB:.0f} MiB free"
-                     + (f" ({d['error']})" if d.get("error") else ""))
+        if d.get("error"):
+            lines.append(f"  RPC {d['endpoint']}: {d['error']}")
+        else:
+            lines.append(f"  RPC {d['endpoint']}: {d.get('name', '')} {d.get('memory_free', 0) / MiB:.0f} / "
+                         f"{d.get('memory_total', 0) / MiB:.0f} MiB free")
     lines.append(f"Unified memory: {'yes' if m.unified_memory else 'no'}")
     b = m.llama
     if b.error:
@@ -337,13 +352,20 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
     Example:
       offload-tuner bench model.gguf -ngl 20 -c 8192 -fa on -p 512 -n 128 -r 5
     """
-    from ..model.gguf import check_path, header_info
+    from ..model.inspect import check_model_file
     from ..engine.base import BenchSpec
     from ..engine.python import run_trial
 
-    check_path(model)
-    header_info(model)  # a bad file is a clear error here, not a trial outcome
+    check_model_file(model)  # a bad file (a truncated one too) is a clear error here, not a trial outcome
     settings = settings_from_options(model, opts)
+    if settings.rpc_servers:
+        from ..engine.rpc import unreachable
+        from ..errors import RPCError
+
+        for endpoint in settings.rpc_servers:
+            why = unreachable(endpoint)
+            if why:
+                raise RPCError(why)
     if repetitions < 1:
         raise click.BadParameter("at least 1", param_hint="--repetitions")
     bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
@@ -689,8 +711,11 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
       offload-tuner rpc-serve --port 50052 --memory-limit 200 &
       offload-tuner bench model.gguf --rpc 127.0.0.1:50052 -ngl 99
     """
+    from .. import limits
     from ..engine.rpc import serve
 
+    if not limits.MIN_PORT <= port <= limits.MAX_PORT:
+        raise SettingsError("--port", f"expected a port from {limits.MIN_PORT} to {limits.MAX_PORT}, got {port}")
     if host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"warning: serving on {host}: anyone who can reach this port can use (and write into) this "
                    "server's memory; llama.cpp's RPC server is meant for trusted networks only", err=True)

@@ -301,8 +301,13 @@ def import_command(bundle: str, force: bool, dest: str | None) -> None:
     click.echo(summary)
     if counts.get("conflict") or (counts.get("duplicate") and not force):
         click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
+    problems = []
     if counts.get("invalid"):
-        raise click.ClickException(f"{counts['invalid']} profile(s) in {bundle} are invalid and were not imported")
+        problems.append(f"{counts['invalid']} profile(s) in {bundle} are invalid and were not imported")
+    if counts.get("failed"):
+        problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
+    if problems:
+        raise click.ClickException("; ".join(problems))
 
 
 __all__ = ["profile_group"]

@@ -149,6 +149,10 @@ def register_servers(endpoints: Iterable[str]) -> list[str]:
     ggml.ggml_backend_register.restype = None
     ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
     for endpoint in endpoints:
+        # llama.cpp aborts the process when a server it was given does not answer: ask first
+        why = unreachable(endpoint)
+        if why:
+            raise RPCError(why)
         reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
         if not reg:
             raise RPCError(f"cannot reach the RPC server at {endpoint}")
@@ -166,24 +170,51 @@ print(json.dumps(list_devices()))
 """
 
 
+def unreachable(endpoint: str, timeout_s: float = 5.0) -> str | None:
+    """Why nothing answers at ``endpoint`` (``host:port``), in words, or None when something does."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except socket.timeout:
+        return f"no answer from {endpoint} within {timeout_s:g} s"
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        return f"cannot connect to {endpoint}: {reason}" + ("; is `offload-tuner rpc-serve` running there?" if isinstance(exc, ConnectionRefusedError) else "")
+
+
 def query_devices(endpoints: Sequence[str], timeout_s: float = 30.0) -> list[dict]:
-    """What each RPC server reports (in a child process: a dead server cannot hang the caller)."""
+    """What each RPC server reports (in a child process: a dead server cannot hang the caller).
+    An entry that could not be read has ``error``, in words."""
     root = str(Path(__file__).resolve().parent.parent)
     out = []
     for endpoint in endpoints:
         entry: dict = {"endpoint": endpoint}
+        out.append(entry)
+        why = unreachable(endpoint)
+        if why:
+            entry["error"] = why
+            continue
         try:
             proc = subprocess.run([sys.executable, "-c", _QUERY, root, endpoint], capture_output=True, text=True,
                                   timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            entry["error"] = f"{endpoint} accepted a connection but did not answer as a llama.cpp RPC server within {timeout_s:g} s"
+            continue
+        except OSError as exc:
+            entry["error"] = f"could not query {endpoint}: {exc.strerror or exc}"
+            continue
+        try:
             devices = [d for d in json.loads(proc.stdout.strip().splitlines()[-1]) if d["name"].startswith("RPC")]
-            if devices:
-                entry.update(name=devices[0]["name"], description=devices[0]["description"],
-                             memory_free=devices[0]["memory_free"], memory_total=devices[0]["memory_total"])
-            else:
-                entry["error"] = "no device reported"
-        except (subprocess.SubprocessError, ValueError, IndexError, OSError) as exc:
-            entry["error"] = f"unreachable ({type(exc).__name__})"
-        out.append(entry)
+        except (ValueError, IndexError, KeyError, TypeError):
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+            entry["error"] = f"{endpoint} did not answer as a llama.cpp RPC server ({last})"
+            continue
+        if devices:
+            entry.update(name=devices[0]["name"], description=devices[0]["description"],
+                         memory_free=devices[0]["memory_free"], memory_total=devices[0]["memory_total"])
+        else:
+            entry["error"] = f"{endpoint} reported no device"
     return out
 
 
@@ -209,9 +240,19 @@ def serve(host: str, port: int, memory_limit: int | None, threads: int | None) -
     rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
                                                    ctypes.POINTER(ctypes.c_void_p)]
     devices = (ctypes.c_void_p * 1)(dev)
+    # llama.cpp's server prints why it could not listen and returns; find out first, in words
+    # (and a return from it below is always a failure: it serves until killed).
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host.strip("[]"), port))
+    except OSError as exc:
+        raise RPCError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
     print(f"offload-tuner: RPC server on {host}:{port}, {n_threads} threads"
           + (f", memory capped at {memory_limit / MiB:.0f} MiB" if memory_limit else ""), flush=True)
     rpc.ggml_backend_rpc_start_server(f"{host}:{port}".encode(), None, n_threads, 1, devices)
+    raise RPCError(f"the RPC server on {host}:{port} stopped: llama.cpp could not listen there (its message is above)")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -223,7 +264,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--memory-limit-bytes", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
-    serve(args.host, args.port, args.memory_limit_bytes, args.threads)
+    try:
+        serve(args.host, args.port, args.memory_limit_bytes, args.threads)
+    except RPCError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -243,11 +243,7 @@ def _check(kind: str, value: Any, dim: Any) -> tuple[str, str] | None:
 
 
 def _short(value: Any) -> str:
-    """A value for an error message: a 400-digit number or a megabyte string is not printed whole."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
-        return f"a number of {int(abs(value).bit_length() * 0.30103) + 1} digits"  # (str() refuses 4,300+ digits)
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return limits.shown(value)
 
 
 def kv_type_id(name: str) -> int:

@@ -131,7 +131,8 @@ class Worker:
             params.tensor_buft_overrides = overrides.address
             keep.append(overrides)
         started = time.perf_counter()
-        model = lc.llama_model_load_from_file(s["model_path"].encode(), params)
+        # (os.fsencode: a path that is not UTF-8 reaches here with surrogate escapes; these are its bytes)
+        model = lc.llama_model_load_from_file(os.fsencode(s["model_path"]), params)
         seconds = time.perf_counter() - started
         if not model:
             return None, keep, "llama.cpp failed to load the model", seconds

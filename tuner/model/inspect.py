@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import limits
 from ..errors import EmptyModelError, ModelNotFoundError, NotGGUFError, TruncatedGGUFError, UnsupportedArchitectureError
 from .gguf import check_path, combined_hash, header_info, split_parts
 
@@ -225,6 +226,18 @@ def inspect(path: str | Any) -> ModelInfo:
     return _model_info(str(first), [(part, header_info(part, values=True)) for part in parts])
 
 
+def check_model_file(path: str | Any) -> None:
+    """Raise the ``ModelError`` that says why ``path`` is not a usable GGUF file: missing, not
+    GGUF, a part of a split model missing, or truncated in its header or in its tensor data.
+    Lighter than ``inspect`` (no hyperparameter sizing): for the commands that hand the file to
+    llama.cpp, which would fail on it with a long report."""
+    first = check_path(path)
+    for part in split_parts(first):
+        if not part.exists():
+            raise ModelNotFoundError(part, f"part of the split model {first.name} is missing")
+        _tensors(part, header_info(part))
+
+
 def _model_info(path: str, parts: list[tuple[Any, dict]], fetched: dict | None = None) -> ModelInfo:
     """A ``ModelInfo`` from the parsed headers (``read_header(..., values=True)``) of each part,
     in order, each with the path or URL that names it in errors."""
@@ -252,27 +265,33 @@ def _model_info(path: str, parts: list[tuple[Any, dict]], fetched: dict | None =
             return default
         return value
 
-    n_layer = int(key("block_count"))
-    n_embd = int(key("embedding_length"))
+    # Every count read from the header is bounded before anything is sized or allocated from it,
+    # against tuner.limits and against the file's own tensors (block_count = 10^9 once made inspect,
+    # estimate and tune eat memory until the machine ran out); the message names the key.
+    hyper = _Hyper(first, arch, tensors)
+    n_layer = hyper.count("block_count", key("block_count"), 1, limits.MAX_GGUF_LAYERS)
+    hyper.layers_have_tensors(n_layer)
+    n_embd = hyper.count("embedding_length", key("embedding_length"), 1, limits.MAX_GGUF_EMBD)
+    hyper.embedding_matches(n_embd)
     n_head_raw = key("attention.head_count")
-    n_head = int(max(n_head_raw)) if isinstance(n_head_raw, list) else int(n_head_raw)
-    kv_raw = key("attention.head_count_kv", required=False, default=n_head_raw)
-    if isinstance(kv_raw, list):
-        kv_per_layer = tuple(int(x) for x in kv_raw)
-    else:
-        kv_per_layer = tuple([int(kv_raw)] * n_layer)
-    n_head_kv = max(kv_per_layer) if kv_per_layer else n_head
+    n_head_list = hyper.per_layer("attention.head_count", n_head_raw, n_layer, 0, limits.MAX_GGUF_HEADS)
+    n_head = max(n_head_list)
     if n_head == 0:
         raise UnsupportedArchitectureError(first, f"cannot size architecture {arch!r}: {arch}.attention.head_count is 0")
-    head_k = int(key("attention.key_length", required=False, default=n_embd // n_head))
-    head_v = int(key("attention.value_length", required=False, default=n_embd // n_head))
-    n_ctx_train = int(key("context_length"))
+    kv_raw = key("attention.head_count_kv", required=False, default=n_head_raw)
+    kv_per_layer = tuple(hyper.per_layer("attention.head_count_kv", kv_raw, n_layer, 0, limits.MAX_GGUF_HEADS))
+    if not isinstance(kv_raw, list) and kv_per_layer and kv_per_layer[0] == 0:
+        hyper.bad("attention.head_count_kv", 0, "at least 1 (a model whose layers attend has key/value heads)")
+    n_head_kv = max(kv_per_layer) if kv_per_layer else n_head
+    head_k = hyper.count("attention.key_length", key("attention.key_length", required=False, default=n_embd // n_head), 1, 1 << 16)
+    head_v = hyper.count("attention.value_length", key("attention.value_length", required=False, default=n_embd // n_head), 1, 1 << 16)
+    n_ctx_train = hyper.count("context_length", key("context_length"), 1, limits.MAX_GGUF_CONTEXT)
     n_ff_raw = key("feed_forward_length", required=False)
-    n_ff = (int(max(n_ff_raw)) if isinstance(n_ff_raw, list) else int(n_ff_raw)) if n_ff_raw is not None else None
-    expert_count = int(key("expert_count", required=False, default=0) or 0)
-    expert_used = int(key("expert_used_count", required=False, default=0) or 0)
+    n_ff = max(hyper.per_layer("feed_forward_length", n_ff_raw, n_layer, 0, 1 << 24)) if n_ff_raw is not None else None
+    expert_count = hyper.count("expert_count", key("expert_count", required=False, default=0) or 0, 0, limits.MAX_GGUF_EXPERTS)
+    expert_used = hyper.count("expert_used_count", key("expert_used_count", required=False, default=0) or 0, 0, expert_count)
     sliding_window = key("attention.sliding_window", required=False)
-    sliding_window = int(sliding_window) if sliding_window else None
+    sliding_window = hyper.count("attention.sliding_window", sliding_window, 0, limits.MAX_GGUF_CONTEXT) or None if sliding_window else None
     swa_layers = _swa_layers(fields, arch, n_layer, sliding_window)
 
     layer_roles: list[dict[str, int]] = [dict(attention=0, ffn=0, experts=0, norms=0, other=0) for _ in range(n_layer)]
@@ -308,7 +327,7 @@ def _model_info(path: str, parts: list[tuple[Any, dict]], fetched: dict | None =
     n_params = sum(t.n_elements for t in tensors)
     name = fields.get("general.name")
     vocab = fields.get("tokenizer.ggml.tokens")
-    n_vocab = int(key("vocab_size", required=False, default=0) or 0) or (len(vocab) if vocab is not None else 0)
+    n_vocab = hyper.count("vocab_size", key("vocab_size", required=False, default=0) or 0, 0, 1 << 24) or (len(vocab) if isinstance(vocab, list) else 0)
 
     result = ModelInfo(
         path=path,
@@ -350,6 +369,44 @@ def _model_info(path: str, parts: list[tuple[Any, dict]], fetched: dict | None =
     }
     object.__setattr__(result, "kv_bytes_per_token", kv)
     return result
+
+
+class _Hyper:
+    """Bounds for the hyperparameters a GGUF header states, each error naming its key."""
+
+    def __init__(self, source: Any, arch: str, tensors: list["TensorInfo"]) -> None:
+        self.source, self.arch, self.tensors = source, arch, tensors
+
+    def bad(self, name: str, value: Any, expected: str) -> None:
+        raise NotGGUFError(self.source, f"corrupt GGUF header: {self.arch}.{name} is {limits.shown(value)}; expected {expected}")
+
+    def count(self, name: str, value: Any, low: int, high: int) -> int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            self.bad(name, value, f"a whole number from {low} to {high}")
+        return value
+
+    def per_layer(self, name: str, value: Any, n_layer: int, low: int, high: int) -> list[int]:
+        """A scalar (every layer) or a list of one value per layer."""
+        if isinstance(value, list):
+            if len(value) != n_layer:
+                self.bad(name, f"a list of {len(value)}", f"one value per layer ({n_layer}, {self.arch}.block_count)")
+            return [self.count(name, v, low, high) for v in value]
+        return [self.count(name, value, low, high)] * n_layer
+
+    def layers_have_tensors(self, n_layer: int) -> None:
+        # A layer llama.cpp loads has tensors named blk.<i>.*; more layers than the file holds
+        # tensors for is a corrupt (or hostile) count, not a model.
+        highest = max((int(m.group(1)) for t in self.tensors if (m := _BLOCK_RE.match(t.name)) and len(m.group(1)) < 8), default=-1)
+        if n_layer > highest + 1:
+            holds = f"tensors for {highest + 1} layers (blk.0 to blk.{highest})" if highest >= 0 else "no layer tensors (blk.*)"
+            self.bad("block_count", n_layer, f"at most the layers the file holds: {holds}")
+
+    def embedding_matches(self, n_embd: int) -> None:
+        embd = next((t for t in self.tensors if t.name == "token_embd.weight"), None)
+        if embd is not None and embd.shape and embd.shape[0] != n_embd:
+            self.bad("embedding_length", n_embd, f"the width of token_embd.weight ({embd.shape[0]})")
 
 
 def _tensors(source: Any, header: dict) -> list[TensorInfo]:

@@ -46,7 +46,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from ..engine.dimensions import context_tokens, offloaded_layers
-from ..errors import NoMatchingProfileError, ProfileMismatchError
+from ..errors import NoMatchingProfileError, ProfileMismatchError, SettingsError
 from ..model.estimate import cache_cells
 from ..model.gguf import model_fingerprint
 from .document import (
@@ -538,6 +538,7 @@ def Llama(
     elif not isinstance(profile, Profile):
         profile = check_profile(read_profile(profile), model_path, machine=machine, strict=strict)
     settings = profile.settings
+    _check_overrides(settings, overrides)
     applied: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if settings.host_overrides:  # tensor_overrides, and n_cpu_moe's per-layer patterns
         from ..engine.overrides import tensor_overrides_applied
@@ -550,6 +551,15 @@ def Llama(
 
     import llama_cpp
 
+    try:
+        os.fspath(model_path).encode("utf-8")
+    except UnicodeEncodeError:
+        # llama-cpp-python's Llama opens model_path.encode("utf-8"), which a name that is not UTF-8
+        # (kept by Python as surrogate escapes) cannot be
+        raise ProfileMismatchError(
+            f"{os.fspath(model_path)!r}: llama-cpp-python's Llama cannot open a file whose name is not UTF-8; "
+            "rename the file, or link to it under a UTF-8 name"
+        ) from None
     kwargs = {**profile.llama_kwargs(model_path), **overrides, "verbose": verbose}
     if kwargs.get("n_gpu_layers") and not llama_cpp.llama_supports_gpu_offload():
         message = (
@@ -562,6 +572,23 @@ def Llama(
         warnings.warn("PARTIAL OFFLOAD: " + message, ProfileDegradedWarning, stacklevel=2)
     with applied:
         return llama_cpp.Llama(**kwargs)
+
+
+# Llama keywords that are Settings fields of the same name and type: checked as the profile's own
+# values are (tuner.limits), so Llama(model, n_ctx=2**62) is one clear error, not a crash in ctypes.
+_SAME_AS_SETTINGS = ("n_gpu_layers", "main_gpu", "n_ctx", "n_batch", "n_ubatch", "n_threads", "n_threads_batch",
+                     "tensor_split", "offload_kqv", "use_mmap", "use_mlock", "op_offload")
+
+
+def _check_overrides(settings: Any, overrides: dict[str, Any]) -> None:
+    checked = {k: v for k, v in overrides.items() if k in _SAME_AS_SETTINGS}
+    if not checked:
+        return
+    try:
+        settings.replace(**checked)
+    except SettingsError as exc:
+        name = exc.field.split(".", 1)[-1]
+        raise SettingsError(name, f"{str(exc)[len(exc.field) + 2:]} (tuner.Llama's keyword {name.split('[')[0]})") from None
 
 
 __all__ = ["load_profile", "check_profile", "this_machine", "model_mismatch", "Llama", "DEFAULT_MARGIN_BYTES"]

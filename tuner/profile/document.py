@@ -82,6 +82,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from .. import limits
 from ..errors import ProfileValidationError, SchemaVersionError, SettingsError
 from ..paths import atomic_write_text, profiles_dir
 from ..engine.settings import Settings
@@ -96,8 +97,9 @@ OBJECTIVES = ("tg", "pp", "mixed")
 MAX_PROFILE_BYTES = 16 << 20
 MAX_BUNDLE_BYTES = 256 << 20
 
-_VERSION_RE = re.compile(r"^(\d+)\.(\d+)$")
-_HEX_RE = re.compile(r"^[0-9a-f]{8,128}$")
+# (matched with fullmatch: "$" also matches before a trailing newline)
+_VERSION_RE = re.compile(r"(\d{1,6})\.(\d{1,6})")
+_HEX_RE = re.compile(r"[0-9a-f]{8,128}")
 _UNSAFE_NAME_RE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -468,8 +470,9 @@ class Profile:
         return Path(self.path).stem if self.path else Path(self.default_filename()).stem
 
     def default_filename(self) -> str:
-        stem = _UNSAFE_NAME_RE.sub("_", Path(self.model.file_name).stem).strip("._") or "model"
-        return f"{stem}--{self.machine.fingerprint}.json"
+        # (the stem is cut at 100 characters: a file name has at most 255 bytes)
+        stem = _UNSAFE_NAME_RE.sub("_", Path(self.model.file_name).stem).strip("._")[:100] or "model"
+        return f"{stem}--{self.machine.fingerprint[:64]}.json"
 
     def identity(self) -> str:
         """What makes two profiles the same: model header, machine, settings (not the model's path)."""
@@ -569,7 +572,7 @@ class _Context:
 
 
 def _major_minor(version: str) -> tuple[int, int]:
-    match = _VERSION_RE.match(version)
+    match = _VERSION_RE.fullmatch(version)
     assert match, version
     return int(match[1]), int(match[2])
 
@@ -578,7 +581,7 @@ def _schema_version(data: Mapping[str, Any], key: str, what: str, expected: str 
     if key not in data:
         raise ProfileValidationError(key, "missing")
     value = data[key]
-    match = _VERSION_RE.match(value) if isinstance(value, str) else None
+    match = _VERSION_RE.fullmatch(value) if isinstance(value, str) else None
     if not match:
         raise ProfileValidationError(key, f'expected "MAJOR.MINOR" such as "{expected}", got {value!r}')
     major, minor = int(match[1]), int(match[2])
@@ -597,7 +600,8 @@ def _kind(value: Any) -> str:
         return "a list"
     if value is None:
         return "null"
-    return repr(value)
+    text = limits.shown(value)
+    return f"{text} ({len(value)} characters)" if isinstance(value, str) and len(value) > 80 else text
 
 
 def _join(path: str, key: str) -> str:
@@ -628,7 +632,8 @@ def _get(data: Mapping[str, Any], key: str, path: str, default: Any = _MISSING) 
     return default
 
 
-def _int(data: Mapping[str, Any], key: str, path: str, *, minimum: int | None = 0, nullable: bool = False, default: Any = _MISSING) -> Any:
+def _int(data: Mapping[str, Any], key: str, path: str, *, minimum: int | None = 0, maximum: int = limits.MAX_DOCUMENT_INT,
+         nullable: bool = False, default: Any = _MISSING) -> Any:
     value = _get(data, key, path, default)
     if value is None and nullable:
         return None
@@ -636,7 +641,9 @@ def _int(data: Mapping[str, Any], key: str, path: str, *, minimum: int | None = 
         expected = "an integer" + (" or null" if nullable else "")
         raise ProfileValidationError(_join(path, key), f"expected {expected}, got {_kind(value)}")
     if minimum is not None and value < minimum:
-        raise ProfileValidationError(_join(path, key), f"expected an integer >= {minimum}, got {value}")
+        raise ProfileValidationError(_join(path, key), f"expected an integer >= {minimum}, got {_kind(value)}")
+    if value > maximum:
+        raise ProfileValidationError(_join(path, key), f"expected an integer <= {maximum}, got {_kind(value)}")
     return value
 
 
@@ -645,6 +652,8 @@ def _number(value: Any, path: str) -> float:
         raise ProfileValidationError(path, f"expected a number, got {_kind(value)}")
     if value < 0:
         raise ProfileValidationError(path, f"expected a number >= 0, got {value}")
+    if value > limits.MAX_DOCUMENT_FLOAT:
+        raise ProfileValidationError(path, f"expected a number <= {limits.MAX_DOCUMENT_FLOAT:g}, got {_kind(value)}")
     return value
 
 
@@ -655,9 +664,9 @@ def _str(data: Mapping[str, Any], key: str, path: str, *, nullable: bool = False
     if not isinstance(value, str) or (pattern is None and not value):
         expected = "a non-empty string" + (" or null" if nullable else "")
         raise ProfileValidationError(_join(path, key), f"expected {expected}, got {_kind(value)}")
-    if pattern is not None and not pattern.match(value):
-        raise ProfileValidationError(_join(path, key), f"expected {hint}, got {value!r}")
-    return value
+    if pattern is not None and not pattern.fullmatch(value):
+        raise ProfileValidationError(_join(path, key), f"expected {hint}, got {_kind(value)}")
+    return _plain_text(value, _join(path, key))
 
 
 def _text(data: Mapping[str, Any], key: str, path: str) -> str:
@@ -665,6 +674,18 @@ def _text(data: Mapping[str, Any], key: str, path: str) -> str:
     value = _get(data, key, path)
     if not isinstance(value, str):
         raise ProfileValidationError(_join(path, key), f"expected a string, got {_kind(value)}")
+    return _plain_text(value, _join(path, key))
+
+
+def _plain_text(value: str, path: str, limit: int = limits.MAX_PATH) -> str:
+    """Every string of a profile ends up in a terminal, a shell line or a Modelfile: no control
+    characters (a newline in a file name became a command when an export was sourced), and a length
+    no name or path reaches."""
+    if len(value) > limit:
+        raise ProfileValidationError(path, f"expected at most {limit} characters, got {len(value)}")
+    bad = limits.control_character(value)
+    if bad is not None:
+        raise ProfileValidationError(path, f"holds a control character ({bad}); a name in a profile must be printable")
     return value
 
 
@@ -758,7 +779,8 @@ def _devices(value: Any, path: str, ctx: _Context, with_total: bool) -> dict[str
     out = {}
     for name, memory in value.items():
         if not isinstance(name, str) or not name.strip():
-            raise ProfileValidationError(path, f"expected device names such as CUDA0, got {name!r}")
+            raise ProfileValidationError(path, f"expected device names such as CUDA0, got {_kind(name)}")
+        _plain_text(name, path, limit=limits.MAX_NAME)
         out[name] = _device_memory(memory, f"{path}.{name}", ctx, with_total)
     return out
 
@@ -806,6 +828,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
     for i, name in enumerate(backends):
         if not isinstance(name, str) or not name:
             raise ProfileValidationError(f"llama_build.backends[{i}]", f"expected a backend name such as cuda, got {_kind(name)}")
+        _plain_text(name, f"llama_build.backends[{i}]", limit=limits.MAX_NAME)
     llama_build = LlamaBuildInfo(
         llama_cpp_python=_str(b, "llama_cpp_python", "llama_build", nullable=True),
         llama_cpp_build=_str(b, "llama_cpp_build", "llama_build", nullable=True),
@@ -825,7 +848,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
     )
 
     settings = _settings(_get(top, "settings", ""), "settings", ctx)
-    min_ctx = _int(top, "min_ctx", "", minimum=1)
+    min_ctx = _int(top, "min_ctx", "", minimum=1, maximum=limits.MAX_CTX)
     if settings.n_ctx and min_ctx > settings.n_ctx:
         raise ProfileValidationError("min_ctx", f"expected at most settings.n_ctx ({settings.n_ctx}), got {min_ctx}")
     objective = _get(top, "objective", "")

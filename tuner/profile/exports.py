@@ -20,10 +20,10 @@ arguments read ``-ngl -1`` as "auto" (fit to free memory), not "all".
 from __future__ import annotations
 
 import os
-import shlex
 
 from ..errors import ProfileError
 from .document import Profile
+from .quoting import UnsafeValueError, safe, shell_line
 from ..engine.dimensions import CLI_TOOLS, DIMENSIONS, OLLAMA_KV_TYPES, Export
 
 FORMATS = (*CLI_TOOLS, "ollama", "env")
@@ -33,7 +33,7 @@ def export_args(profile: Profile, fmt: str, *, model_path: str | os.PathLike[str
     """The profile as ``fmt`` (one of ``FORMATS``) writes it; ``model_path`` replaces the recorded path."""
     path = os.fspath(model_path) if model_path is not None else None
     if fmt in CLI_TOOLS:
-        return shlex.join([fmt, *tool_args(profile, fmt, model_path=path)]) + "\n"
+        return shell_line([fmt, *tool_args(profile, fmt, model_path=path)]) + "\n"
     if fmt == "ollama":
         return ollama_modelfile(profile, model_path=path)
     if fmt == "env":
@@ -56,7 +56,7 @@ def llama_server_env(profile: Profile, *, model_path: str | None = None) -> str:
     """``export LLAMA_ARG_...`` lines for llama-server; flags without a variable in a comment."""
     settings = profile.settings
     export = Export(tool="llama-server", layers_total=profile.layers_total or None, model_path=model_path)
-    lines = [f"# llama-server settings of offload-tuner profile {profile.name} ({profile.model.file_name})"]
+    lines = [_comment(f"llama-server settings of offload-tuner profile {profile.name} ({profile.model.file_name})")]
     flags_only: list[str] = []
     for dim in DIMENSIONS:
         writer = dim.flags.get("llama-server")
@@ -64,12 +64,12 @@ def llama_server_env(profile: Profile, *, model_path: str | None = None) -> str:
         if not args:
             continue
         if dim.env is None:
-            flags_only.append(shlex.join(args))
+            flags_only.append(shell_line(args))
         else:
             value = dim.env.value if dim.env.value is not None else args[1]
-            lines.append(f"export {dim.env.name}={shlex.quote(value)}")
+            lines.append(f"export {dim.env.name}={safe(value, 'shell')}")
     if flags_only:
-        lines.append(f"# llama-server reads no environment variable for these; pass them as flags: {' '.join(flags_only)}")
+        lines.append(_comment(f"llama-server reads no environment variable for these; pass them as flags: {' '.join(flags_only)}"))
     return "\n".join(lines) + "\n"
 
 
@@ -79,22 +79,38 @@ def ollama_modelfile(profile: Profile, *, model_path: str | None = None) -> str:
     measured = profile.measured
     export = Export(tool="ollama", layers_total=profile.layers_total or None, model_path=model_path)
     lines = [
-        f"# Modelfile from offload-tuner profile {profile.name}",
-        f"# {profile.model.file_name} on {profile.machine.describe()}; tuned {profile.created_at}: "
-        f"tg {measured.tg.median:g} t/s, pp {measured.pp.median:g} t/s with llama.cpp",
+        _comment(f"Modelfile from offload-tuner profile {profile.name}"),
+        _comment(f"{profile.model.file_name} on {profile.machine.describe()}; tuned {profile.created_at}: "
+                 f"tg {measured.tg.median:g} t/s, pp {measured.pp.median:g} t/s with llama.cpp"),
     ]
     spelled = [d.ollama for d in DIMENSIONS if d.ollama is not None]
     for ollama in sorted(spelled, key=lambda o: o.order):
         line = ollama.line(s, export) if ollama.line else None
         if line:
-            lines.append(line)
+            lines.append(_instruction(line))
     # ollama starts llama-server with -c num_ctx x OLLAMA_NUM_PARALLEL (llm/llama_server.go).
     lines.append("# num_ctx is per parallel request: the memory this profile measured holds with OLLAMA_NUM_PARALLEL=1")
     notes = [n for n in (o.note(s, export) if o.note else None for o in sorted(spelled, key=lambda o: o.order)) if n]
     if notes:
         lines.append("# not expressible in a Modelfile:")
-        lines += [f"#   {item}" for item in notes]
+        lines += [_comment(f"  {item}") for item in notes]
     return "\n".join(lines) + "\n"
+
+
+def _comment(text: str) -> str:
+    """A ``#`` line that stays one comment line whatever ``text`` holds (shell, env file, Modelfile)."""
+    return "# " + safe(text, "comment")
+
+
+def _instruction(line: str) -> str:
+    """A Modelfile instruction (``FROM PATH``, ``PARAMETER num_ctx 8192``) whose value is plain, or
+    ``UnsafeValueError`` saying why it cannot be written."""
+    name, _, value = line.partition(" ")
+    try:
+        return f"{name} {safe(value, 'modelfile')}"
+    except UnsafeValueError as exc:
+        hint = " Give the model's path on this machine with --model PATH (a link with a plain name works)." if name == "FROM" else ""
+        raise UnsafeValueError(f"cannot write the Modelfile's {name} line: {exc}.{hint}") from None
 
 
 __all__ = ["FORMATS", "OLLAMA_KV_TYPES", "export_args", "tool_args", "llama_server_env", "ollama_modelfile"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence, Union
 
-from ..errors import ProfileError, ProfileValidationError
+from ..errors import FileWriteError, ProfileError, ProfileValidationError
 from ..paths import ENV_PROFILE_PATH, atomic_write_text, profiles_dir
 from .document import (
     BUNDLE_VERSION,
@@ -182,7 +182,7 @@ class ImportResult:
 
     ``action`` is ``imported``, ``replaced`` (``force``), ``duplicate`` (the same model header, machine
     and settings are already there), ``conflict`` (another profile has its file name; ``force``
-    replaces it) or ``invalid``.
+    replaces it), ``invalid``, or ``failed`` (valid, but it could not be written: ``detail`` says why).
     """
 
     index: int
@@ -236,7 +236,13 @@ def import_bundle(
                 ImportResult(item.position, "conflict", target, f"{target} exists with other settings ({other}); --force replaces it", profile)
             )
             continue
-        atomic_write_text(target, json.dumps(item.document, indent=2, allow_nan=False) + "\n")
+        try:
+            atomic_write_text(target, json.dumps(item.document, indent=2, allow_nan=False) + "\n")
+        except FileWriteError as exc:
+            # one profile that cannot be written (a full disk, a read-only folder) is reported; the
+            # others are still imported
+            results.append(ImportResult(item.position, "failed", target, str(exc), profile))
+            continue
         results.append(
             ImportResult(item.position, "replaced" if replaced else "imported", target, f"{profile.model.file_name} on {profile.machine.describe()}", profile)
         )
@@ -273,6 +279,9 @@ def _read_json(path: str | os.PathLike[str], limit: int, what: str) -> Any:
         raise ProfileError(f"{where}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except ValueError as exc:
         raise ProfileError(f"{where}: {exc}") from None
+    except RecursionError:
+        # json's parser recurses per level: 100,000 nested brackets raised RecursionError here
+        raise ProfileError(f"{where}: not a {what}: its JSON is nested too deeply (a {what} is a few levels deep)") from None
 
 
 def _reject_constant(name: str) -> Any:

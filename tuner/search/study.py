@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import time
 import warnings
@@ -107,7 +108,9 @@ def make_sampler(seed: int) -> Any:
 
 def study_name_for(model: ModelInfo, machine: Machine, space: SearchSpace, objective: str, bench: BenchSpec, min_ctx: int) -> str:
     key = json.dumps([model.header_hash, machine.fingerprint(), space.fingerprint(), objective, bench.to_dict(), min_ctx])
-    return f"{Path(model.path).stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    # (a file name that is not UTF-8 holds surrogate escapes, which no database takes: U+FFFD instead)
+    stem = os.fsencode(Path(model.path).stem).decode("utf-8", errors="replace")
+    return f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 @dataclass(frozen=True)
