@@ -519,3 +519,39 @@ def test_an_unreachable_rpc_server_is_reported_in_words(models):
         proc = subprocess.run([sys.executable, "-m", "tuner", "bench", str(models["q8_0"]), "--rpc", endpoint, "-ngl", "2",
                                "-p", "8", "-n", "4", "-r", "1"], capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert proc.returncode == 2 and one_error_line(proc) == f"Error: {words}"
+
+
+def test_a_study_database_the_disk_refuses_midway_is_one_error_and_resumes(models, tmp_path):
+    # The disk fills while the study is written: RLIMIT_FSIZE stops the database file past 200 kB
+    # (the kernel refuses the write, as a full disk does). One StudyError, and the same tune without
+    # the limit resumes from what was committed.
+    code = r"""
+import json, resource, signal, sys
+from tuner.engine.fake import ScriptedRunner
+from tuner.errors import StudyError
+from tuner.model.inspect import inspect
+from tuner.search.study import Tuner
+exec(sys.argv[2])
+model, limit = sys.argv[3], int(sys.argv[4])
+info = inspect(model)
+if limit:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+engine = ScriptedRunner({info.path: info})
+try:
+    result = Tuner(model, trials=40, machine=machine(), engine=engine, **kwargs()).run()
+    print(json.dumps({"run": result.counts["run"], "launched": len(engine.launched), "path": str(result.profile_path)}))
+except StudyError as exc:
+    print(json.dumps({"error": str(exc), "launched": len(engine.launched)}))
+"""
+    env = {"OFFLOAD_TUNER_HOME": str(tmp_path / "home")}
+    full = run_enforced(code, _MACHINE, str(models["q8_0"]), str(200_000), env=env)
+    got = json.loads(full.stdout.splitlines()[-1])
+    assert got["error"].startswith("the study database could not be written (") and "run the same command again" in got["error"]
+    assert 0 < got["launched"] < 40
+    again = run_enforced(code, _MACHINE, str(models["q8_0"]), "0", env=env)
+    rerun = json.loads(again.stdout.splitlines()[-1])
+    assert rerun["run"] == 40 and Path(rerun["path"]).is_file()
+    # the trials committed before were not run again (the one being recorded when the disk filled may
+    # be), then the 3 leaders were measured again in 3 rounds
+    assert rerun["launched"] <= (40 - got["launched"] + 1) + 9

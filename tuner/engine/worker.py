@@ -190,7 +190,14 @@ class Worker:
 
 class _Bench:
     """llama-bench's measurements on one context: random vocabulary tokens, BOS first, pp in
-    n_batch chunks, tg one token at a time after ``depth`` tokens, the cache cleared each time."""
+    n_batch chunks, tg one token at a time after ``depth`` tokens, the cache cleared each time.
+
+    The generation loop is the only Python that runs per token, so it does the least it can: the
+    tokens are drawn before the clock starts, and one batch (``llama_batch_get_one`` over a
+    one-token array) is made once and refilled, instead of a new array and batch per token. That
+    loop cost showed at high speeds (0.90 x llama-bench's tg at ~1,200 t/s);
+    ``benchmarks/vs_llama_bench.py`` states what is left, per token.
+    """
 
     def __init__(self, lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> None:
         self.lc, self.ctx = lc, ctx
@@ -204,42 +211,54 @@ class _Bench:
         need = self.D + max(self.P, self.G)
         self.too_small = f"depth {self.D} + {max(self.P, self.G)} tokens exceed n_ctx {self.n_ctx}" if need > self.n_ctx else None
         self.memory = lc.llama_get_memory(ctx)
+        # one batch for generation, refilled per token; one buffer for prompt chunks
+        self.one_token = (lc.llama_token * 1)()
+        self.one = lc.llama_batch_get_one(self.one_token, 1)
+        self.chunk = (lc.llama_token * max(1, self.n_batch))()
 
-    def decode(self, tokens: list[int]) -> None:
-        lc = self.lc
-        arr = (lc.llama_token * len(tokens))(*tokens)
-        rc = lc.llama_decode(self.ctx, lc.llama_batch_get_one(arr, len(tokens)))
-        if rc != 0:
-            raise DecodeError(rc)
-
-    def prompt(self, n: int) -> None:
+    def prompt_tokens(self, n: int) -> list[int]:
         tokens = [self.rng.randrange(self.n_vocab) for _ in range(n)]
         if self.bos >= 0 and tokens:
             tokens[0] = self.bos
-        for i in range(0, n, self.n_batch):
-            self.decode(tokens[i : i + self.n_batch])
-        self.lc.llama_synchronize(self.ctx)
+        return tokens
 
-    def gen(self, n: int) -> None:
-        token = self.bos if self.bos >= 0 else self.rng.randrange(self.n_vocab)
-        for _ in range(n):
-            self.decode([token])
-            self.lc.llama_synchronize(self.ctx)
-            token = self.rng.randrange(self.n_vocab)
+    def gen_tokens(self, n: int) -> list[int]:
+        first = self.bos if self.bos >= 0 else self.rng.randrange(self.n_vocab)
+        return [first] + [self.rng.randrange(self.n_vocab) for _ in range(n - 1)] if n else []
 
-    def _timed(self, fn: Any, n: int) -> float:
+    def prompt(self, tokens: list[int]) -> None:
+        lc, ctx, chunk = self.lc, self.ctx, self.chunk
+        for i in range(0, len(tokens), self.n_batch):
+            part = tokens[i : i + self.n_batch]
+            chunk[: len(part)] = part
+            rc = lc.llama_decode(ctx, lc.llama_batch_get_one(chunk, len(part)))
+            if rc != 0:
+                raise DecodeError(rc)
+        lc.llama_synchronize(ctx)
+
+    def gen(self, tokens: list[int]) -> None:
+        # the per-token loop: locals only, one refilled batch, as llama-bench's test_gen does in C
+        decode, synchronize, ctx, batch, slot = self.lc.llama_decode, self.lc.llama_synchronize, self.ctx, self.one, self.one_token
+        for token in tokens:
+            slot[0] = token
+            rc = decode(ctx, batch)
+            if rc != 0:
+                raise DecodeError(rc)
+            synchronize(ctx)
+
+    def _timed(self, run: Any, tokens: list[int]) -> float:
         self.lc.llama_memory_clear(self.memory, False)
         if self.D:
-            self.prompt(self.D)
+            self.prompt(self.prompt_tokens(self.D))
         start = time.perf_counter_ns()
-        fn(n)
-        return n / ((time.perf_counter_ns() - start) / 1e9)
+        run(tokens)
+        return len(tokens) / ((time.perf_counter_ns() - start) / 1e9)
 
     def timed_pp(self) -> float:
-        return self._timed(self.prompt, self.P)
+        return self._timed(self.prompt, self.prompt_tokens(self.P))
 
     def timed_tg(self) -> float:
-        return self._timed(self.gen, self.G)
+        return self._timed(self.gen, self.gen_tokens(self.G))
 
     def warm_up(self) -> None:
         # A full-size warm-up: llama-bench's one-batch warm-up left our first timed pp 2x slow
@@ -247,7 +266,7 @@ class _Bench:
         if self.P:
             self.timed_pp()
         if self.G:
-            self._timed(self.gen, min(self.G, 8))
+            self._timed(self.gen, self.gen_tokens(min(self.G, 8)))
 
 
 def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
