@@ -34,7 +34,7 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 # A device name as llama.cpp prints it: letters, digits, and for RPC devices the endpoint in brackets.
-_NAME = re.compile(r"^[A-Za-z][\w.-]{0,63}(?:\[[\w.:\-\[\]]{1,200}\])?$")
+_NAME = re.compile(r"[A-Za-z][\w.-]{0,63}(?:\[[\w.:\-\[\]]{1,200}\])?")  # fullmatch: "$" takes a trailing newline
 MAX_BYTES = 1 << 60  # an exbibyte: anything larger is a typo
 
 
@@ -59,7 +59,7 @@ def parse_device(text: str) -> tuple[str, int]:
     name = name.strip()
     if not sep or not name:
         raise MachineSpecError(f"--device: expected NAME=SIZE such as CUDA0=24GiB, got {text!r}")
-    if not _NAME.match(name) or name.upper() == "CPU":
+    if not _NAME.fullmatch(name) or name.upper() == "CPU":
         raise MachineSpecError(f"--device: {name!r} is not an accelerator name as llama.cpp prints them "
                                "(CUDA0, ROCm0, Vulkan0, MTL0, SYCL0, RPC0...); the host's memory is --ram")
     return name, parse_size(size, what=f"--device {name}")
@@ -170,7 +170,7 @@ def from_probe_json(path: str | Path) -> MachineSpec:
     if isinstance(listed, list) and listed:
         for i, entry in enumerate(listed[:64]):
             where = f"devices[{i}]"
-            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or not _NAME.match(entry["name"]):
+            if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str) or not _NAME.fullmatch(entry["name"]):
                 raise MachineSpecError(f"--machine {p}: {where}.name: expected a device name such as CUDA0")
             if entry["name"].upper().startswith("CPU") or entry.get("type") in ("cpu", "CPU"):
                 continue
@@ -196,7 +196,7 @@ def from_probe_json(path: str | Path) -> MachineSpec:
         for i, entry in enumerate(rpc[:64]):
             if isinstance(entry, Mapping) and not entry.get("error") and isinstance(entry.get("endpoint"), str):
                 name = f"RPC{i}[{entry['endpoint']}]"
-                if _NAME.match(name):
+                if _NAME.fullmatch(name):
                     devices[name] = size(entry, f"rpc_devices[{i}]")
     ram = data.get("ram_total")
     if ram is not None and (isinstance(ram, bool) or not isinstance(ram, (int, float)) or not 0 < ram <= MAX_BYTES):

@@ -80,7 +80,7 @@ def resolve(url: str) -> str:
 def is_immutable(url: str) -> bool:
     """An ``hf://`` URL pinned to a commit never changes: its cached header needs no check."""
     m = _HF_RE.match(url)
-    return bool(m and m["rev"] and _COMMIT_RE.match(m["rev"]))
+    return bool(m and m["rev"] and _COMMIT_RE.fullmatch(m["rev"]))
 
 
 def part_urls(url: str) -> list[str]:
