@@ -42,49 +42,30 @@ SHAPES: dict[str, dict[str, Any]] = {
     "Qwen2.5-32B": dict(n_layer=64, n_embd=5120, n_head=40, n_head_kv=8, n_ff=27648, n_vocab=152064, n_ctx_train=32768,
                         architecture="qwen2"),
     # zai-org/GLM-4.5-Air: 46 layers, hidden 4096, 96 heads of 128 (8 KV), 128 routed experts of 1408 with 8
-    # used per token plus 1 shared expert, the first layer dense (FFN 10944), vocab 151552, 128k context.
+    # used per token plus 1 shared expert, the first layer dense (FFN 10944, the GGUF's feed_forward_length),
+    # vocab 151552, 128k context.
     # (Its one multi-token-prediction layer is left out: llama.cpp does not run it when generating.)
-    "GLM-4.5-Air": dict(n_layer=46, n_embd=4096, n_head=96, n_head_kv=8, head_dim=128, n_ff=1408, n_vocab=151552,
-                        n_expert=128, n_expert_used=8, n_ctx_train=131072, architecture="glm4moe",
-                        shared_expert_ff=1408, dense_first=1, dense_ff=10944),
+    "GLM-4.5-Air": dict(n_layer=46, n_embd=4096, n_head=96, n_head_kv=8, head_dim=128, n_ff=10944, n_ff_exp=1408,
+                        n_expert=128, n_expert_used=8, n_expert_shared=1, n_vocab=151552, n_ctx_train=131072,
+                        architecture="glm4moe", dense_first=1),
 }
 
 
 @lru_cache(maxsize=None)
 def _base(shape_name: str) -> ModelInfo:
     shape = dict(SHAPES[shape_name])
-    shared = shape.pop("shared_expert_ff", 0)
     dense_first = shape.pop("dense_first", 0)
-    dense_ff = shape.pop("dense_ff", 0)
     info = llama_like(name=shape_name, **shape)
-    if not (shared or dense_first):
+    if not dense_first:
         return info
-    # GLM-style MoE: a shared expert in every MoE layer, and the first layers dense.
-    n_embd = info.n_embd
-    tensors: list[TensorInfo] = []
-
-    def add(name: str, *dims: int) -> None:
-        kind = "F32" if len(dims) == 1 else "F16"
-        n = 1
-        for d in dims:
-            n *= d
-        tensors.append(TensorInfo(name, kind, tuple(dims), tensor_bytes(kind, dims), n))
-
-    for t in info.tensors:
-        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
-        if layer is not None and layer < dense_first and ("_exps." in t.name or "ffn_gate_inp" in t.name):
-            continue
-        tensors.append(t)
-        if layer is None or not t.name.endswith("ffn_down_exps.weight"):
-            continue
-        if shared:
-            add(f"blk.{layer}.ffn_gate_shexp.weight", n_embd, shared)
-            add(f"blk.{layer}.ffn_up_shexp.weight", n_embd, shared)
-            add(f"blk.{layer}.ffn_down_shexp.weight", shared, n_embd)
+    # GLM-style MoE: the first layers are dense (an FFN of n_ff instead of the experts)
+    tensors: list[TensorInfo] = [t for t in info.tensors
+                                 if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) < dense_first
+                                         and ("_exps." in t.name or "_shexp." in t.name or "ffn_gate_inp" in t.name))]
     for layer in range(dense_first):
-        add(f"blk.{layer}.ffn_gate.weight", n_embd, dense_ff)
-        add(f"blk.{layer}.ffn_up.weight", n_embd, dense_ff)
-        add(f"blk.{layer}.ffn_down.weight", dense_ff, n_embd)
+        for name, dims in (("ffn_gate", (info.n_embd, info.n_ff)), ("ffn_up", (info.n_embd, info.n_ff)),
+                           ("ffn_down", (info.n_ff, info.n_embd))):
+            tensors.append(TensorInfo(f"blk.{layer}.{name}.weight", "F16", dims, tensor_bytes("F16", dims), dims[0] * dims[1]))
     info = with_tensors(info, tensors, info.quantization, file_size=sum(t.n_bytes for t in tensors))
     return dataclasses.replace(info, n_params=sum(t.n_elements for t in tensors), n_tensors=len(tensors))
 
