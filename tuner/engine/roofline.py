@@ -149,8 +149,9 @@ OP_OFFLOAD_MIN_BATCH = 32
 QUANTIZED_KV_COST = 1.25
 # A GPU's memory is not all llama.cpp's (assumptions): the driver and a desktop hold some before the
 # tuner probes (what NVML then reports free), and llama.cpp's own process spends some on its CUDA
-# context and library handles, which the memory arithmetic does not count. The tuner's default
-# --vram-margin (512 MiB) covers the second.
+# context and library handles, which the memory arithmetic does not count (a llama-server process
+# shows ~330 MB in nvidia-smi before its first buffer: ggml-org/llama.cpp issue 23446). The tuner's
+# default --vram-margin (512 MiB) covers the second, with some to spare.
 DRIVER_RESERVED = 300 * MiB
 CONTEXT_OVERHEAD = 350 * MiB
 # Metal lets one process wire about this share of unified memory (recommendedMaxWorkingSetSize).
