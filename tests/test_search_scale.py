@@ -8,6 +8,7 @@ valid and rarely out of memory; a study resumes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import itertools
 import random
 
@@ -181,3 +182,42 @@ def test_tune_on_a_simulated_gpu_machine(tuner_home):
     assert {s.model_path for s in launched[:3]} == set(sim.models)
     assert result.best["remeasured"] and result.profile.settings.n_gpu_layers > 0
     assert Settings.from_dict(result.best["settings"]) in launched
+
+
+class _StopAfter:
+    """An engine that is interrupted (Ctrl-C) when it starts its n+1-th trial."""
+
+    def __init__(self, engine, n):
+        self.engine, self.n, self.runs = engine, n, 0
+
+    def run(self, settings, bench, *, trial_id=None):
+        if self.runs >= self.n:
+            raise KeyboardInterrupt
+        self.runs += 1
+        return self.engine.run(settings, bench, trial_id=trial_id)
+
+    def close(self):
+        pass
+
+
+def test_an_interrupted_study_resumes_without_repeating_trials(tuner_home, tmp_path):
+    from tuner.search.study import Tuner
+
+    sim = SIMULATED["2gpu-32b"]
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    common = dict(variants=sim.variants, infos=sim.models, machine=sim.machine(), trials=9, min_ctx=sim.min_ctx,
+                  depth=sim.depth, storage=storage, seed=5)
+    first_events, second_events = [], []
+    first = Tuner(sim.main, engine=_StopAfter(sim.engine(seed=1), 4), on_event=first_events.append, **common).run()
+    assert first.interrupted and first.counts["run"] == 4 and first.profile_path.exists()
+    second_engine = sim.engine(seed=2)
+    second = Tuner(sim.main, engine=second_engine, on_event=second_events.append, **common).run()
+    assert not second.interrupted and second.study_name == first.study_name
+    start = next(e for e in second_events if e["kind"] == "start")
+    assert start["resumed"] and start["done"] >= 4
+    finished = {e["number"] for e in first_events if e["kind"] == "result"}  # the fifth launch was interrupted
+    before = {json.dumps(e["settings"], sort_keys=True) for e in first_events if e["kind"] == "launch" and e["number"] in finished}
+    assert len(before) == 4
+    after = [json.dumps(e["settings"], sort_keys=True) for e in second_events if e["kind"] == "launch"]
+    assert len(after) == 9 - 4 and not set(after) & before  # completed trials are not run again
+    assert second.counts["run"] == 9 and second.counts["oom"] == 0
