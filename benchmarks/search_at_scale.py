@@ -68,7 +68,7 @@ class Trace:
     oom: list[bool] = field(default_factory=list)
     final_true: float | None = None  # the tuner's profile winner (after its re-measure)
     remeasure_loads: int = 0
-    proposals: dict[str, int] = field(default_factory=dict)  # the tuner's asks: launched, pruned, invalid, duplicate
+    proposals: dict[str, int] = field(default_factory=dict)  # the tuner's asks: launched, pruned, invalid, repaired
 
     def add(self, measured: float | None, true: float, oom: bool) -> None:
         self.measured.append(measured)
@@ -92,19 +92,53 @@ def true_tg(engine: Any, settings: Any, bench: Any) -> float:
     return engine.speed(settings, bench)[1]
 
 
-def run_tuner(sim: Any, seed: int, trials: int, *, final: bool) -> Trace:
+def plain_seeds(self: Any, space: Any, physical_cores: int, **_: Any) -> list[Any]:
+    """The seeds before issue 14 (for --ablation): per variant the most whole layers that fit at f16
+    and n_ubatch 512, the variant on the CPU alone; llama.cpp's defaults."""
+    from optuna.trial import FixedTrial
+
+    threads = max(space.threads[0], min(space.threads, key=lambda t: abs(t - physical_cores)))
+    common = dict(n_ctx=space.n_ctx[0], n_batch=space.n_batch[-1], n_ubatch=512, threads=threads)
+    out = []
+    for variant in space.variants:
+        out.append(self.most_layers(space.settings(variant=variant, kv="f16", flash_attn="on", **common)))
+        out.append(space.settings(variant=variant, kv="f16", flash_attn="on", **common))
+    out.append(space.settings(variant=space.variants[0], n_gpu_layers=space.n_layer + 1, kv="f16", flash_attn="on", **common))
+    return [space.suggest(FixedTrial(space.params_for(s))) for s in out]
+
+
+ABLATIONS = {  # --ablation: the tuner with parts of issue 14's search turned back
+    "tuner": {},
+    "plain_seeds": {"seeds": plain_seeds},
+    "skip_oom_proposals": {"repair": lambda self, s: s},
+    "plain_seeds+skip": {"seeds": plain_seeds, "repair": lambda self, s: s},
+}
+
+
+def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = "tuner") -> Trace:
     """The real Tuner with the roofline engine; ``final``: keep its profile winner as the pick."""
     import optuna
 
     from tuner.engine.settings import Settings
+    from tuner.search.candidates import Candidates
     from tuner.search.study import Tuner
+
+    if ablation != "tuner":
+        saved = {name: getattr(Candidates, name) for name in ABLATIONS[ablation]}
+        try:
+            for name, replacement in ABLATIONS[ablation].items():
+                setattr(Candidates, name, replacement)
+            return run_tuner(sim, seed, trials, final=final)
+        finally:
+            for name, original in saved.items():
+                setattr(Candidates, name, original)
 
     engine = sim.engine(seed=seed)
     trace = Trace()
     pending: dict[int, Any] = {}
 
     def on_event(e: dict[str, Any]) -> None:
-        if e["kind"] in ("launch", "pruned", "invalid"):
+        if e["kind"] in ("launch", "pruned", "invalid", "repaired", "exhausted"):
             trace.proposals[e["kind"]] = trace.proposals.get(e["kind"], 0) + 1
         if e["kind"] == "launch":
             pending[e["number"]] = Settings.from_dict(e["settings"])
@@ -235,7 +269,7 @@ def summarize(traces: list[Trace], final: list[Trace] | None, optimum: float) ->
         "oom_launches": sum(sum(t.oom[:BUDGET]) for t in (final or traces)),
         "_ratios_at_20": [round(r, 3) for r in at_20],
         "_remeasure_loads": [t.remeasure_loads for t in final] if final else None,
-        "_proposals": {k: sum(t.proposals.get(k, 0) for t in traces) for k in ("launch", "pruned", "invalid")},
+        "_proposals": {k: sum(t.proposals.get(k, 0) for t in traces) for k in ("launch", "pruned", "invalid", "repaired", "exhausted")},
     }
 
 
@@ -246,6 +280,9 @@ def main() -> int:
     parser.add_argument("--horizon", type=int, default=60, help="launches searched for the 0.98 mark")
     parser.add_argument("--machines", default=None, help="comma-separated simulated machines (default: all)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
+    parser.add_argument("--ablation", action="store_true",
+                        help="instead: the tuner with its memory-aware seeds and/or its lowering of proposals past the "
+                             "memory boundary turned back (plain seeds; such proposals skipped)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,22 +322,29 @@ def main() -> int:
             say(f"   best outside the tuner's {margin >> 20} MiB --vram-margin: {reachable:.2f} t/s, "
                 f"{reachable / best.value:.3f} of the optimum")
             row: dict[str, Any] = {"optimum": round(best.value, 4), "grid_size": best.grid_size}
-            runs = {
+            runs: dict[str, Callable[[int], Trace]] = {
                 "tuner": lambda seed: run_tuner(sim, seed, args.horizon, final=False),
                 "random": lambda seed: run_random(sim, seed, args.horizon),
                 "bisect_tpe": lambda seed: run_bisect_tpe(sim, seed, args.horizon),
             }
-            for strategy in STRATEGIES:
+            strategies: tuple[str, ...] = STRATEGIES
+            if args.ablation:
+                strategies = tuple(ABLATIONS)
+                runs = {a: (lambda seed, a=a: run_tuner(sim, seed, args.horizon, final=False, ablation=a)) for a in ABLATIONS}
+            for strategy in strategies:
                 t0 = time.monotonic()
                 traces = [runs[strategy](seed) for seed in range(seeds)]
-                final = [run_tuner(sim, seed, BUDGET, final=True) for seed in range(seeds)] if strategy == "tuner" else None
+                final = ([run_tuner(sim, seed, BUDGET, final=True, ablation=strategy) for seed in range(seeds)]
+                         if strategy in ABLATIONS else None)
                 summary = summarize(traces, final, best.value)
                 row[strategy] = {k: v for k, v in summary.items() if not k.startswith("_")}
                 reach = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731
                 p = summary["_proposals"]
                 extra = (f", re-measure loads {summary['_remeasure_loads']}; proposals over {args.horizon} launches: "
-                         f"{p['pruned']} predicted not to fit, {p['invalid']} invalid" if final else "")
-                say(f"   {strategy:<11} trials to 0.98: median {reach(summary['trials_to_098_median']):>3}, worst "
+                         f"{p['pruned']} predicted not to fit, {p['repaired']} lowered to the layers that fit, "
+                         f"{p['invalid']} invalid" + (f", stopped early {p['exhausted']}x" if p["exhausted"] else "")
+                         if final else "")
+                say(f"   {strategy:<18} trials to 0.98: median {reach(summary['trials_to_098_median']):>3}, worst "
                     f"{reach(summary['trials_to_098_worst']):>3} | ratio at 20: {summary['ratio_at_20_median']:.3f} "
                     f"{summary['_ratios_at_20']} | OOM launches {summary['oom_launches']}{extra} "
                     f"({time.monotonic() - t0:.0f} s)")
@@ -308,7 +352,7 @@ def main() -> int:
         say(f"\n{seeds} seeds, horizon {args.horizon} launches, {time.monotonic() - started:.0f} s")
         if args.json:
             print(json.dumps(out, indent=2))
-        else:
+        elif not args.ablation:
             met = all(r["tuner"]["ratio_at_20_median"] >= TARGET and r["tuner"]["trials_to_098_median"] is not None
                       and r["tuner"]["trials_to_098_median"] <= BUDGET and r["tuner"]["oom_launches"] == 0
                       and r["tuner"]["ratio_at_20_median"] > r["random"]["ratio_at_20_median"] for r in out.values())

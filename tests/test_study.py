@@ -5,6 +5,7 @@ The real engine is exercised by test_tune_real.py and the runner's own tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -125,8 +126,18 @@ def test_candidates_predicted_not_to_fit_are_not_launched(models):
     for s in engine.launched:
         est = tuner.candidates.estimate(s)
         assert est.devices[RPC].total <= free
+    # proposals with more layers than fit were lowered to the most that fit, their other choices kept
+    repaired = [e for e in events if e["kind"] == "repaired"]
+    assert repaired
+    for e in repaired:
+        proposed, lowered = Settings.from_dict(e["proposed"]), Settings.from_dict(e["settings"])
+        assert tuner.candidates.check(proposed, tuner.candidates.estimate(proposed)).startswith("predicted not to fit")
+        assert lowered.n_gpu_layers < proposed.n_gpu_layers and tuner.candidates.fits(lowered)
+        assert not tuner.candidates.fits(dataclasses.replace(lowered, n_gpu_layers=lowered.n_gpu_layers + 1))
+        assert dataclasses.replace(lowered, n_gpu_layers=proposed.n_gpu_layers) == proposed
+    # what could not be lowered into memory was skipped, with the reason
     pruned = [e for e in events if e["kind"] == "pruned"]
-    assert pruned and all("predicted not to fit" in e["reason"] or "learned" in e["reason"] for e in pruned)
+    assert all("predicted not to fit" in e["reason"] or "learned" in e["reason"] for e in pruned)
 
 
 def test_out_of_memory_is_learned_and_not_repeated(models):

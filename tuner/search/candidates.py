@@ -79,9 +79,14 @@ class Candidates:
         self.free: dict[str, int] = {d.name: d.free for d in self.devices}
         self.free[CPU] = ram_available
         self.learned: dict[str, int] = {}  # device -> the smallest need that ran out of memory there
+        self._estimates: dict[str, MemoryEstimate] = {}
 
     def estimate(self, s: Settings) -> MemoryEstimate:
-        return estimate(self.models[s.model_path], s, devices=[d.name for d in self.devices])
+        # memoized: the checks, the seeds and repairs ask about the same candidates more than once
+        key = settings_key(s)
+        if key not in self._estimates:
+            self._estimates[key] = estimate(self.models[s.model_path], s, devices=[d.name for d in self.devices])
+        return self._estimates[key]
 
     def check(self, s: Settings, est: MemoryEstimate) -> str | None:
         """Why a candidate must not be launched, or None."""
@@ -129,6 +134,45 @@ class Candidates:
             if free is not None and total > free - (self.margin if device != CPU else 0):
                 return False
         return True
+
+    def room(self, device: str) -> int:
+        """The most a candidate may need on an accelerator: its free memory less the margin, and
+        below what ran out of memory there."""
+        room = self.free.get(device, 0) - self.margin
+        if device in self.learned:
+            room = min(room, self.learned[device] - 1)
+        return room
+
+    def repair(self, s: Settings) -> Settings:
+        """``s`` if it fits; else, when an accelerator cannot hold its share, ``s`` with each such
+        device's layers lowered to the most it holds (the others' kept); ``s`` itself when that
+        does not make it fit either (the host's memory, say)."""
+        if not s.n_gpu_layers or self.fits(s):
+            return s
+        info = self.models[s.model_path]
+        names = [d.name for d in self.devices]
+        placement = layer_devices(info.n_layer, s.n_gpu_layers, names, s.tensor_split)
+        counts = [placement.count(n) for n in names]
+
+        def with_counts(c: list[int]) -> Settings:
+            total = sum(c)
+            if len(names) == 1:
+                return dataclasses.replace(s, n_gpu_layers=total)
+            return dataclasses.replace(s, n_gpu_layers=total, tensor_split=tuple(float(x) for x in c) if total else None)
+
+        for i, name in enumerate(names):
+            if self.estimate(with_counts(counts)).devices[name].total <= self.room(name):
+                continue
+            low, high = 0, counts[i]
+            while low < high:  # what a device needs grows with the layers it holds
+                mid = (low + high + 1) // 2
+                if self.estimate(with_counts(counts[:i] + [mid] + counts[i + 1:])).devices[name].total <= self.room(name):
+                    low = mid
+                else:
+                    high = mid - 1
+            counts[i] = low
+        out = with_counts(counts)
+        return out if sum(counts) and self.fits(out) else s
 
     def fits(self, s: Settings) -> bool:
         return self.check(s, self.estimate(s)) is None

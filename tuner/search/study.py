@@ -355,6 +355,16 @@ class Tuner:
                     study.tell(trial, state=TrialState.PRUNED)
                     self.emit({"kind": "invalid", "number": trial.number, "reason": str(exc)})
                     continue
+                # A proposal with more layers than the devices hold is lowered to the most they hold, its
+                # other choices kept: to the sampler n_gpu_layers means "this many, or as many as fit", so
+                # a proposal past the memory boundary lands on it instead of being skipped
+                # (benchmarks/search_at_scale.py measured this against skipping and against searching
+                # "layers below the most that fit").
+                repaired = self.candidates.repair(s)
+                if repaired != s:
+                    trial.set_user_attr("proposed", s.to_dict())
+                    self.emit({"kind": "repaired", "number": trial.number, "proposed": s.to_dict(), "settings": repaired.to_dict()})
+                    s = repaired
                 key = settings_key(s)
                 if key in done:
                     # Already measured (in this run or an earlier one): answer from the record.
