@@ -221,3 +221,39 @@ def test_an_interrupted_study_resumes_without_repeating_trials(tuner_home, tmp_p
     after = [json.dumps(e["settings"], sort_keys=True) for e in second_events if e["kind"] == "launch"]
     assert len(after) == 9 - 4 and not set(after) & before  # completed trials are not run again
     assert second.counts["run"] == 9 and second.counts["oom"] == 0
+
+
+@pytest.mark.parametrize("name", list(SIMULATED))
+def test_a_thousand_draws_of_a_gpu_sized_space_are_valid_and_lowered_into_memory(name):
+    """1000 draws of each simulated machine's conditional space (10^6-10^8 candidates): every one a
+    valid candidate within what the space promises (tests/test_space.py's conditions); the first
+    hundred through the tune loop's repair: what does not fit is lowered to a candidate that does,
+    with the same choices."""
+    import optuna
+
+    from .test_space import _conditions_hold
+
+    sim = SIMULATED[name]
+    space = space_of(sim)
+    candidates = candidates_of(sim)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=7))
+    lowered = kept = 0
+    for i in range(1000):
+        trial = study.ask()
+        s = space.suggest(trial)
+        _conditions_hold(space, s, trial.params)
+        if i < 100:
+            fixed = candidates.repair(s, space, trial.params)
+            if fixed is s:
+                kept += 1
+                assert candidates.fits(s) or not s.n_gpu_layers or not candidates.fits(
+                    dataclasses.replace(s, n_gpu_layers=0, tensor_split=None, tensor_overrides=(), n_cpu_moe=0))
+            else:
+                lowered += 1
+                assert candidates.fits(fixed) and 0 < fixed.n_gpu_layers < s.n_gpu_layers
+                assert (fixed.model_path, fixed.n_ctx, fixed.type_k, fixed.flash_attn, fixed.n_ubatch) == \
+                       (s.model_path, s.n_ctx, s.type_k, s.flash_attn, s.n_ubatch)
+                _conditions_hold(space, fixed, {})
+        study.tell(trial, float(i % 11))
+    assert lowered >= 5 and kept >= 5  # both kinds were met on each machine

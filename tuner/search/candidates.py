@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..engine.base import TrialResult
 from ..engine.settings import Settings
@@ -143,10 +143,12 @@ class Candidates:
             room = min(room, self.learned[device] - 1)
         return room
 
-    def repair(self, s: Settings) -> Settings:
-        """``s`` if it fits; else, when an accelerator cannot hold its share, ``s`` with each such
-        device's layers lowered to the most it holds (the others' kept); ``s`` itself when that
-        does not make it fit either (the host's memory, say)."""
+    def repair(self, s: Settings, space: SearchSpace, params: Mapping[str, Any]) -> Settings:
+        """``s`` if it fits. Else, when an accelerator cannot hold its share, the candidate the same
+        parameters (``params``, what the space asked for ``s``) give with that device's layers lowered
+        to the most it holds, the other devices' kept: what counts in offloaded layers (a placement's
+        layers, n_cpu_moe) is kept too, bounded by what remains offloaded. ``s`` itself when lowering
+        does not make it fit (the host's memory, say)."""
         if not s.n_gpu_layers or self.fits(s):
             return s
         info = self.models[s.model_path]
@@ -155,10 +157,8 @@ class Candidates:
         counts = [placement.count(n) for n in names]
 
         def with_counts(c: list[int]) -> Settings:
-            total = sum(c)
-            if len(names) == 1:
-                return dataclasses.replace(s, n_gpu_layers=total)
-            return dataclasses.replace(s, n_gpu_layers=total, tensor_split=tuple(float(x) for x in c) if total else None)
+            asked = {**params, "n_gpu_layers": sum(c), **{f"layers_on[{n}]": c[i] for i, n in enumerate(names[:-1])}}
+            return space.suggest(_Clamped(asked))
 
         for i, name in enumerate(names):
             if self.estimate(with_counts(counts)).devices[name].total <= self.room(name):
@@ -172,7 +172,7 @@ class Candidates:
                     high = mid - 1
             counts[i] = low
         out = with_counts(counts)
-        return out if sum(counts) and self.fits(out) else s
+        return out if out.n_gpu_layers and self.fits(out) else s
 
     def fits(self, s: Settings) -> bool:
         return self.check(s, self.estimate(s)) is None
@@ -203,12 +203,15 @@ class Candidates:
         return with_counts(counts)
 
     def fewest_on_host(self, s: Settings, strategy: str) -> Settings | None:
-        """``s`` with every layer offloaded and the tensors of a placement strategy kept on the host
-        for the fewest first layers that make it fit; None when even all of them do not."""
+        """``s`` with every layer offloaded and the tensors of a placement strategy (or, for
+        ``"n_cpu_moe"``, the experts) kept on the host for the fewest first layers that make it fit;
+        None when even all of them do not."""
         info = self.models[s.model_path]
         everything = info.n_layer + 1
 
         def offloaded(k: int) -> Settings:
+            if strategy == "n_cpu_moe":
+                return self.most_layers(dataclasses.replace(s, n_cpu_moe=k))
             return self.most_layers(dataclasses.replace(s, tensor_overrides=placement_patterns(strategy, k)))
 
         if offloaded(info.n_layer).n_gpu_layers < everything:
@@ -258,8 +261,8 @@ class Candidates:
               unified_memory: bool = False, limit: int = 6) -> list[Settings]:
         """The first trials: for each variant, the most that can be offloaded with the least memory
         per layer (the smallest context, micro-batch and KV cache): as many whole layers as fit, the
-        KV cache on the host, and each placement strategy on the fewest layers that let everything
-        else on the accelerators. Ranked by the traffic a generated token causes (host memory is the
+        KV cache on the host, and each placement strategy (n_cpu_moe for an MoE) on the fewest layers
+        that let everything else on the accelerators. Ranked by the traffic a generated token causes (host memory is the
         slow one), the best of each variant first, up to ``limit``; then the model on the CPU alone
         and llama.cpp's defaults (not launched unless they fit).
 
@@ -275,17 +278,19 @@ class Candidates:
         out: list[Settings] = []
         if sp.has_gpu:
             slowdown = 1.0 if unified_memory else HOST_SLOWDOWN
+            strategies = [p for p in sp.placements if p != "none" and PLACEMENTS.get(p)]
+            if sp.is_moe and "n_cpu_moe" not in sp.excluded:
+                strategies.append("n_cpu_moe")
             ranked: list[tuple[float, int, Settings]] = []
             for rank_in_file, variant in enumerate(sp.variants):
                 options: list[Settings] = []
                 for kqv in sp.offload_kqv:
                     base = sp.settings(variant=variant, kv=kv, flash_attn=fa, offload_kqv=kqv, **common)
                     options.append(self.most_layers(base))
-                    for strategy in sp.placements:
-                        if strategy != "none" and PLACEMENTS.get(strategy):
-                            option = self.fewest_on_host(base, strategy)
-                            if option is not None:
-                                options.append(option)
+                    for strategy in strategies:
+                        option = self.fewest_on_host(base, strategy)
+                        if option is not None:
+                            options.append(option)
                 for s in options:
                     if s.n_gpu_layers and self.fits(s):
                         host, accel = self.traffic(s, depth)
@@ -319,6 +324,22 @@ class Candidates:
             s = sp.suggest(FixedTrial(sp.params_for(s)))
             unique.setdefault(settings_key(s), s)
         return list(unique.values())
+
+
+class _Clamped:
+    """Answers a search space's questions from known parameters, an integer clamped into the range
+    asked (a count of offloaded layers shrinks with them); a question not answered takes the lowest
+    value or the first choice."""
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.params = params
+
+    def suggest_int(self, name: str, low: int, high: int, **_: Any) -> int:
+        return min(max(int(self.params.get(name, low)), low), high)
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        value = self.params.get(name)
+        return value if value in choices else choices[0]
 
 
 def settings_key(s: Settings) -> str:

@@ -328,6 +328,7 @@ def _settings(space: SearchSpace, c: dict[str, Any]) -> Settings:
 def describe(s: Settings, value: float | None = None) -> str:
     """One line for a candidate, as the benchmark prints it."""
     overrides = f" -ot {s.tensor_overrides[0][:40]}..." if s.tensor_overrides else ""
+    overrides += f" --n-cpu-moe {s.n_cpu_moe}" if s.n_cpu_moe else ""
     split = f" split {'/'.join(f'{x:g}' for x in s.tensor_split)}" if s.tensor_split else ""
     speed = f": {value:.2f} t/s" if value is not None else ""
     return (f"{Path(s.model_path).name} ngl {s.n_gpu_layers}{split} ctx {s.n_ctx} kv {s.type_k} fa {s.flash_attn} "

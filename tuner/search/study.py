@@ -360,7 +360,7 @@ class Tuner:
                 # a proposal past the memory boundary lands on it instead of being skipped
                 # (benchmarks/search_at_scale.py measured this against skipping and against searching
                 # "layers below the most that fit").
-                repaired = self.candidates.repair(s)
+                repaired = self.candidates.repair(s, self.space, trial.params)
                 if repaired != s:
                     trial.set_user_attr("proposed", s.to_dict())
                     self.emit({"kind": "repaired", "number": trial.number, "proposed": s.to_dict(), "settings": repaired.to_dict()})
