@@ -43,85 +43,106 @@ def bench_of(sim):
 # -- the yardstick -------------------------------------------------------------------------------
 
 
+def _block_value(block, space, engine, bench, s, params):
+    """The block evaluation of one proposal of the space: (fits, tg), read at its coordinates."""
+    L = space.n_layer
+    g = s.n_gpu_layers
+    strategy = params.get("placement", "none") if s.tensor_overrides else "none"
+    k = params.get("placement_layers", 0) if strategy != "none" else 0
+    k2 = params.get("n_cpu_moe", 0)
+    if len(space.devices) > 1:
+        counts = [params[f"layers_on[{d.name}]"] for d in space.devices[:-1]] if g >= 2 else [min(g, 1)] + [0] * (len(space.devices) - 2)
+        r = next(i for i, c in enumerate(block.counts.tolist()) if c == counts)
+    else:
+        r = 0
+    ks, k2s = block.axes(strategy)
+    j, j2 = list(ks.reshape(-1)).index(k), list(k2s.reshape(-1)).index(k2)
+    assert block.valid_for(strategy, s.offload_kqv)[j, j2, r, g], (s, params)
+    w = block.weights(strategy)
+    fit = block.fits(w, s.offload_kqv, s.type_k, s.flash_attn == "on", s.n_ctx, s.n_ubatch)[j, j2, r, g]
+    context = bench.depth + bench.n_gen / 2
+    states = {"none": {}}
+    if strategy != "none":
+        states["placed"] = {"tensor_overrides": placement_patterns(strategy, L)}
+    if block.moe:
+        states["experts"] = {"n_cpu_moe": L}
+        if strategy != "none":
+            states["both"] = {**states["placed"], **states["experts"]}
+    base = dict(model_path=s.model_path, flash_attn=s.flash_attn, type_k=s.type_k, type_v=s.type_v, offload_kqv=s.offload_kqv,
+                n_threads=s.n_threads, n_threads_batch=s.n_threads)
+    times = {}
+    for state, extra in states.items():
+        x = Settings(**base, **extra)
+        times[state] = {d: exhaustive._prefix(t) for d, t in engine.layer_times(x, engine.work(x, 1, context)).items()}
+    return bool(fit), float(block.tg(times, strategy)[j, j2, r, g])
+
+
 @pytest.mark.parametrize("name", list(SIMULATED))
-def test_vectorized_memory_and_speed_match_the_engine(name):
-    """Sampled candidates: the block evaluation's fit and speed equal estimate()'s and the engine's."""
+def test_the_yardstick_counts_and_reads_the_space_as_the_space_and_the_engine_do(name):
+    """The space's own proposals (random draws of its conditional tree): the block evaluation's fit
+    and speed at their coordinates equal estimate()'s and the engine's; and the block counts exactly
+    the space's candidates."""
+    import optuna
+
     sim = SIMULATED[name]
     space, bench = space_of(sim), bench_of(sim)
     engine = sim.engine(noise=0.0)
-    rng = random.Random(name)
-    context = bench.depth + bench.n_gen / 2
-    checked = fits_seen = 0
-    for variant in space.variants:
-        info = engine.models[variant]
-        block = exhaustive._Block(space, engine, info)
-        L = info.n_layer
-        for _ in range(12):
-            strategy = rng.choice(space.placements)
-            ks = exhaustive._ks(strategy, L)
-            kqv, fa = rng.choice(space.offload_kqv), rng.choice(space.flash_attn)
-            kv = rng.choice(space.kv_types) if fa == "on" else "f16"
-            n_ctx, ub, t = rng.choice(space.n_ctx), rng.choice(space.n_ubatch), rng.choice(space.threads)
-            weights = block.weights(strategy, ks)
-            fit = block.fits(weights, kqv, kv, fa == "on", n_ctx, ub)
-            s0 = Settings(model_path=variant, flash_attn=fa, type_k=kv, type_v=kv, offload_kqv=kqv, n_threads=t)
-            times = {d: exhaustive._prefix(x) for d, x in engine.layer_times(s0, engine.work(s0, 1, context)).items()}
-            over = None
-            if strategy != "none":
-                so = dataclasses.replace(s0, tensor_overrides=placement_patterns(strategy, L))
-                over = {d: exhaustive._prefix(x) for d, x in engine.layer_times(so, engine.work(so, 1, context)).items()}
-            tg = block.tg(times, over, ks)
-            # near the memory boundary, where a mistake would show, and anywhere
-            cells = list(zip(*np.nonzero(block.valid)))
-            for r, c in rng.sample(cells, 6):
-                j = rng.randrange(len(ks))
-                split = space.split_from_counts(int(c), [int(x) for x in block.counts[r]]) if len(space.devices) > 1 else None
-                s = space.settings(variant=variant, n_gpu_layers=int(c), tensor_split=split, n_ctx=n_ctx, kv=kv, flash_attn=fa,
-                                   threads=t, n_ubatch=ub, n_batch=max(space.n_batch[0], ub), placement=strategy,
-                                   placement_layers=int(ks[j]), offload_kqv=kqv)
-                assert bool(fit[j, r, c]) == (engine.out_of_memory(engine.memory(s)) is None), s
-                assert tg[j, r, c] == pytest.approx(engine.speed(s, bench)[1], rel=1e-9), s
-                checked += 1
-                fits_seen += bool(fit[j, r, c])
-    assert checked >= 100 and 0 < fits_seen < checked  # both sides of the boundary were checked
+    blocks = {v: exhaustive._Block(space, engine, engine.models[v]) for v in space.variants}
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    fits_seen = 0
+    for _ in range(60):
+        trial = study.ask()
+        s = space.suggest(trial)
+        fit, tg = _block_value(blocks[s.model_path], space, engine, bench, s, trial.params)
+        assert fit == (engine.out_of_memory(engine.memory(s)) is None), s
+        assert tg == pytest.approx(engine.speed(s, bench)[1], rel=1e-9), s
+        fits_seen += fit
+        study.tell(trial, 0.0)
+    assert 0 < fits_seen < 60  # both sides of the memory boundary were checked
+    count = 0
+    for v, block in blocks.items():
+        kv_fa = len(space.kv_types) + ("off" in space.flash_attn)
+        for strategy in space.placements:
+            for kqv in space.offload_kqv:
+                count += int(block.valid_for(strategy, kqv).sum()) * kv_fa
+    per_cell = len(space.n_ctx) * len(space.n_ubatch) * len(space.threads) * len(space.n_batch)
+    assert count * per_cell == space.grid_size()
 
 
-def test_optimum_equals_brute_force_on_a_small_space():
-    """Every candidate of a small two-GPU space through the scalar engine: the same best."""
-    info = dataclasses.replace(llama_like(n_layer=3, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_vocab=2048,
-                                          n_ctx_train=16384, name="tiny"), path="tiny.gguf")
-    engine = RooflineEngine({info.path: info}, host=DEVICES["ryzen9-7950x"], ram=64 * GiB,
-                            accelerators=[("CUDA0", DEVICES["rtx3090"]), ("CUDA1", DEVICES["rtx4060ti16"])],
-                            free={"CUDA0": 360 * MiB + 12 * MiB, "CUDA1": 360 * MiB + 8 * MiB}, noise=0.0)
+def _tiny(moe: bool):
+    shape = dict(n_layer=3, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536, n_vocab=2048, n_ctx_train=16384, name="tiny")
+    if moe:
+        shape.update(n_expert=4, n_expert_used=2, n_ff_exp=512)
+    return dataclasses.replace(llama_like(**shape), path="tiny-moe.gguf" if moe else "tiny.gguf")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_optimum_equals_brute_force_on_a_small_space(moe):
+    """Every candidate of a small two-GPU space (space.grid()) through the scalar engine: the same
+    count, the same number that fit and the same best."""
     from tuner.search.space import Device
 
+    info = _tiny(moe)
+    engine = RooflineEngine({info.path: info}, host=DEVICES["ryzen9-7950x"], ram=64 * GiB,
+                            accelerators=[("CUDA0", DEVICES["rtx3090"]), ("CUDA1", DEVICES["rtx4060ti16"])],
+                            free={"CUDA0": 350 * MiB + 14 * MiB, "CUDA1": 350 * MiB + 9 * MiB}, noise=0.0)
     space = build_space([info], devices=[Device("CUDA0", 1, 1), Device("CUDA1", 1, 1)], physical_cores=16, logical_cores=32,
                         min_ctx=4096, n_prompt=512)
-    space = space.narrowed(threads=(8, 32), n_ubatch=(128, 512))
+    space = space.narrowed(n_threads=(8, 32), n_ubatch=(128, 512), n_ctx=space.n_ctx[:2])
     bench = BenchSpec(n_prompt=64, n_gen=16, depth=1024)
     best = exhaustive.optimum(space, engine, bench)
     brute, count, fit = -1.0, 0, 0
-    L = info.n_layer
-    for ngl in range(L + 2):
-        for c0 in range(ngl + 1):
-            split = space.split_from_counts(ngl, [c0])
-            for n_ctx, kv, fa, t, ub, strategy, kqv in itertools.product(space.n_ctx, space.kv_types, space.flash_attn,
-                                                                         space.threads, space.n_ubatch, space.placements,
-                                                                         space.offload_kqv):
-                for k in exhaustive._ks(strategy, L):
-                    try:
-                        s = space.settings(variant=info.path, n_gpu_layers=ngl, tensor_split=split, n_ctx=n_ctx, kv=kv,
-                                           flash_attn=fa, threads=t, n_ubatch=ub, n_batch=512, placement=strategy,
-                                           placement_layers=int(k), offload_kqv=kqv)
-                    except SettingsError:
-                        continue
-                    count += 1
-                    if engine.out_of_memory(engine.memory(s)) is None:
-                        fit += 1
-                        brute = max(brute, engine.speed(s, bench)[1])
-    assert best.grid_size == count and best.feasible == fit and 0 < fit < count
+    for s in space.grid():
+        count += 1
+        if engine.out_of_memory(engine.memory(s)) is None:
+            fit += 1
+            brute = max(brute, engine.speed(s, bench)[1])
+    assert best.grid_size == count == space.grid_size() and best.feasible == fit and 0 < fit < count
     assert best.value == pytest.approx(brute, rel=1e-9)
     assert engine.speed(best.settings, bench)[1] == pytest.approx(brute, rel=1e-9)
+    if moe:
+        assert any(s.n_cpu_moe and s.tensor_overrides for s in space.grid())  # placement and n_cpu_moe together
 
 
 # -- the tuner on GPU-sized spaces ---------------------------------------------------------------
