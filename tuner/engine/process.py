@@ -5,10 +5,18 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 # The worker's own lines in llama.cpp's log (trial and context boundaries) start with this.
 LOG_MARK = "offload-tuner:"
+# The runner tells its worker who its parent is (the pid the worker must outlive no longer than a
+# poll), and each request how long it may take.
+ENV_PARENT_PID = "OFFLOAD_TUNER_PARENT_PID"
+# The worker ends a request this much after the runner's own deadline: the runner normally kills
+# it first and classifies the timeout; the worker's limit is for when the runner cannot.
+WORKER_GRACE_S = 5.0
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -58,3 +66,57 @@ def project_pythonpath(env: dict[str, str]) -> dict[str, str]:
     parts = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(parts))
     return env
+
+
+class Watchdog(threading.Thread):
+    """In a worker: ends the worker's process group when the process that started it is gone (a
+    tuner killed with SIGKILL cannot kill its worker), or when the request being served runs past
+    its deadline (``arm``). A thread that polls twice a second: it runs while llama.cpp computes
+    (ctypes releases the GIL) and costs nothing measurable. A request that reports progress (a long
+    scoring pass) gets its limit again at each report, as the runner gives it. Polling ``getppid``
+    rather than ``PR_SET_PDEATHSIG``: the latter fires when the parent *thread* exits, which would
+    kill the worker of a runner used from a short-lived thread."""
+
+    def __init__(self, parent_pid: int | None, interval: float = 0.5) -> None:
+        super().__init__(name="offload-tuner-watchdog", daemon=True)
+        self.parent_pid = parent_pid
+        self.interval = interval
+        self._deadline: float | None = None
+        self._limit = 0.0
+
+    @classmethod
+    def from_environment(cls) -> "Watchdog":
+        value = os.environ.get(ENV_PARENT_PID, "")
+        return cls(int(value) if value.isdigit() else None)
+
+    def arm(self, seconds: float | None) -> None:
+        """The request now being served must end within ``seconds`` (None: no limit)."""
+        self._limit = float(seconds) if seconds else 0.0
+        self._deadline = time.monotonic() + float(seconds) if seconds else None
+
+    def progress(self) -> None:
+        """The request reported progress: its limit starts again (long passes report each step)."""
+        if self._deadline is not None:
+            self._deadline = time.monotonic() + self._limit
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+    def run(self) -> None:
+        while True:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                _end_worker(f"the tuner (pid {self.parent_pid}) is gone")
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                _end_worker(f"the trial ran past its {self._limit:.0f} s limit")
+            time.sleep(self.interval)
+
+
+def _end_worker(reason: str) -> None:
+    try:
+        os.write(2, f"{LOG_MARK} {reason}: the worker ends itself\n".encode())
+    except OSError:
+        pass
+    if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)  # it leads its group (start_new_session): all of it
+    os._exit(124)

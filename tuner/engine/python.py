@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .base import BenchSpec, Stats, TrialResult
 from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
-from .process import LOG_MARK, kill_group, project_pythonpath
+from .process import ENV_PARENT_PID, LOG_MARK, WORKER_GRACE_S, kill_group, project_pythonpath
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -137,6 +137,7 @@ class TrialRunner:
         self._log_path = self.log_dir / f"worker-{os.getpid()}-{self._count}.log"
         env = project_pythonpath(dict(self.env))
         env["PYTHONUNBUFFERED"] = "1"
+        env[ENV_PARENT_PID] = str(os.getpid())  # the worker ends itself when this process is gone
         if self.memory_limit:
             env["OFFLOAD_TUNER_WORKER_MEMORY_LIMIT"] = str(int(self.memory_limit))
         with open(self._log_path, "wb") as log:
@@ -299,6 +300,8 @@ class TrialRunner:
         sampler.start()
         reply: dict[str, Any] | None = None
         timed_out = False
+        # the worker enforces the limit too, a little later: if this process is stuck or gone
+        request = {**request, "timeout_s": max(1.0, deadline - time.perf_counter()) + WORKER_GRACE_S}
         try:
             proc.stdin.write((json.dumps(request) + "\n").encode())
             proc.stdin.flush()

@@ -45,6 +45,7 @@ class Worker:
         self.model_key: Any = None
         self.keepalive: list[Any] = []
         self.registered_rpc: set[str] = set()
+        self.watchdog: Any = None  # tuner.engine.process.Watchdog, started by main()
 
         @llama_cpp.llama_log_callback
         def on_log(level: int, text: bytes, user_data: Any) -> None:  # every level, debug too
@@ -60,6 +61,8 @@ class Worker:
     def send(self, message: dict[str, Any]) -> None:
         self.reply.write(json.dumps(message) + "\n")
         self.reply.flush()
+        if self.watchdog is not None and "progress" in message:
+            self.watchdog.progress()  # as the runner does: the limit is on time without progress
 
     def serve(self) -> None:
         for line in sys.stdin:
@@ -69,6 +72,8 @@ class Worker:
             request = json.loads(line)
             if request.get("op") == "exit":
                 break
+            if self.watchdog is not None:
+                self.watchdog.arm(request.get("timeout_s"))
             try:
                 op = request.get("op")
                 if op == "paired":
@@ -82,6 +87,9 @@ class Worker:
             except Exception as exc:  # a Python-side failure is a reply, not a silent death
                 _log(traceback.format_exc())
                 self.send({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.disarm()
         self.free_model()
 
     # -- model and context --------------------------------------------------------------------
@@ -369,7 +377,12 @@ def main() -> None:
     reply_fd = os.dup(1)
     os.dup2(2, 1)
     sys.stdout = os.fdopen(1, "w", buffering=1)
+    from .process import Watchdog
+
+    watchdog = Watchdog.from_environment()
+    watchdog.start()  # before llama.cpp loads: a tuner killed during the import is noticed too
     worker = Worker(reply_fd)
+    worker.watchdog = watchdog
     limit = os.environ.get("OFFLOAD_TUNER_WORKER_MEMORY_LIMIT")
     if limit:
         # --memory-limit, and the tests of host out-of-memory: after llama.cpp's libraries are
