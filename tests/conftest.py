@@ -3,6 +3,8 @@ temporary folder for every test. Models are made, never downloaded."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,35 @@ def tuner_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "offload-tuner-home"
     monkeypatch.setenv("OFFLOAD_TUNER_HOME", str(home))
     monkeypatch.delenv("OFFLOAD_TUNER_PROFILE_PATH", raising=False)
+    monkeypatch.delenv("OFFLOAD_TUNER_REGISTRY", raising=False)
+    # the machine lock of each test is its own: tests (and other people's test runs) on this
+    # machine do not wait for each other
+    monkeypatch.setenv("OFFLOAD_TUNER_LOCK_DIR", str(tmp_path / "locks"))
     return home
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL server for the session (``tuner.testing.PostgresServer``).
+
+    Without PostgreSQL installed these tests are skipped, except under CI (``CI`` set), where
+    ``.ci/run`` installs it and its absence is a failure."""
+    from tuner.testing import PostgresServer, postgres_bindir
+
+    if postgres_bindir() is None:
+        message = "PostgreSQL is not installed (apt-get install postgresql; .ci/run does it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    server = PostgresServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def pg_url(postgres) -> str:
+    """A new, empty PostgreSQL database for one test: its URL, with the password."""
+    return postgres.create_database(f"t_{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,8 @@
     ├── LogUnreadableError         a llama.cpp log holds nothing that says what happened at load
     ├── FileWriteError             a file the tuner writes cannot be written (read-only, full disk)
     ├── ReportError                a report cannot be made (no such study or profile, PNG export failed)
+    ├── StorageError               a study store or profile registry database cannot be opened or used
+    ├── MachineBusyError           another tuner is measuring on this machine (and we were told not to wait)
     └── ProfileError               a profile cannot be used
         ├── ProfileValidationError a field is wrong (dotted path in the message)
         ├── SchemaVersionError     a profile of an unknown major schema version
@@ -107,6 +109,15 @@ class FileWriteError(TunerError):
         super().__init__(f"cannot write {self.path}: {reason}")
 class ReportError(TunerError):
     pass
+
+
+class StorageError(TunerError):
+    """A database (``--storage``, a registry URL) cannot be used: not a URL, no driver, unreachable,
+    damaged. The message names it, without credentials, and says what to do."""
+
+
+class MachineBusyError(TunerError):
+    """Another tuner holds this machine's measurement lock."""
 
 
 class ProfileError(TunerError):

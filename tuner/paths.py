@@ -13,6 +13,8 @@ from .errors import FileWriteError
 
 ENV_HOME = "OFFLOAD_TUNER_HOME"
 ENV_PROFILE_PATH = "OFFLOAD_TUNER_PROFILE_PATH"
+ENV_LOCK_DIR = "OFFLOAD_TUNER_LOCK_DIR"
+ENV_REGISTRY = "OFFLOAD_TUNER_REGISTRY"
 
 
 def data_dir() -> Path:
@@ -81,6 +83,22 @@ def study_storage_url() -> str:
 def headers_dir() -> Path:
     """Cached GGUF headers of models read over the network (``tuner.model.header_cache``)."""
     return _subdir("headers")
+def locks_dir() -> Path:
+    """Where tuners on this machine take turns measuring: ``OFFLOAD_TUNER_LOCK_DIR``, else one folder
+    in the system's temporary folder shared by every user of the machine (they share its GPUs)."""
+    override = os.environ.get(ENV_LOCK_DIR)
+    if override:
+        path = Path(override).expanduser()
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    path = Path(tempfile.gettempdir()) / "offload-tuner-locks"
+    try:
+        path.mkdir(exist_ok=True)
+        if hasattr(os, "getuid") and path.stat().st_uid == os.getuid():
+            os.chmod(path, 0o1777)  # shared and sticky, like /tmp: every user's tuner takes the same lock
+    except OSError:
+        pass
+    return path
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:

@@ -2,7 +2,8 @@
 
 Every ``TunerError`` (a bad model path, a truncated GGUF, an invalid setting...) is printed as
 ``Error: <what is wrong and what to do>`` on stderr with exit code 2 and no traceback;
-``--debug`` shows the traceback.
+``--debug`` shows the traceback. Every message loses the credentials of any database URL this
+process opened (``tuner.profile.dburl.scrub``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ class _Group(click.Group):
         except TunerError as exc:
             if ctx.obj and ctx.obj.get("debug"):
                 raise
-            click.echo(f"Error: {exc}", err=True)
+            from ..profile.dburl import scrub
+
+            click.echo(f"Error: {scrub(str(exc))}", err=True)
             ctx.exit(2)
+        except click.ClickException as exc:
+            from ..profile.dburl import scrub
+
+            exc.message = scrub(exc.message)
+            raise
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -440,9 +448,9 @@ class _Progress:
         self.quality = QualityProgress(quiet)
 
     def __call__(self, e: dict[str, Any]) -> None:
-        if self.quiet:
-            return
         kind = e["kind"]
+        if self.quiet and kind != "waiting":  # waiting is said even then: a silent wait looks like a hang
+            return
         if kind == "quality_excluded":
             click.echo(f"not tuned: {Path(e['path']).name}: {e['reason']}", err=True)
             return
@@ -457,9 +465,14 @@ class _Progress:
         if self.quality(e):
             return
         out = lambda text: click.echo(text, err=True)  # noqa: E731  (stdout stays for results)
-        if kind == "start":
+        if kind == "waiting":
+            out(e["message"])
+        elif kind == "start":
             out(f"study {e['study']} ({'resumed: ' + str(e['done']) + ' candidates known' if e['resumed'] else 'new'}) "
                 f"in {e['storage']}")
+            if e.get("recovered"):
+                numbers = ", ".join(f"#{n}" for n in e["recovered"])
+                out(f"trial(s) {numbers} were left running by a tuner that died: marked failed, measured again")
             out(e["space"])
             budget = f"{e['trials']} trials" if e["trials"] else f"{e['time_budget']:.0f} s"
             out(f"grid of {e['grid']} candidates; budget {budget}")
@@ -512,6 +525,8 @@ class _Progress:
 @click.option("--out", type=click.Path(), default=None,
               help="Write the profile to this file, or into this folder (default: the data folder's profiles).")
 @click.option("--trial-timeout", type=float, default=300, show_default=True, help="Kill a trial after this many seconds.")
+@click.option("--no-wait", is_flag=True,
+              help="If another tuner is measuring on this machine, stop (exit 2) instead of waiting for it.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-kl", type=float, default=None,
               help="Quality budget: variants whose mean KL divergence from the reference is above this are not tuned.")
@@ -537,15 +552,17 @@ class _Progress:
 def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
              objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int,
              rpc: str | None, storage: str | None, study_name: str | None, out: str | None, trial_timeout: float,
-             seed: int, max_kl: float | None, max_ppl_increase: float | None, min_tg: float | None, min_pp: float | None,
-             reference: str | None, corpus: str | None, chunks: int, quality_ctx: int, quantize_types: str | None,
+             no_wait: bool, seed: int, max_kl: float | None, max_ppl_increase: float | None, min_tg: float | None,
+             min_pp: float | None, reference: str | None, corpus: str | None, chunks: int, quality_ctx: int,
+             quantize_types: str | None,
              imatrix: str | None, allow_requantize: bool, no_quality: bool, quiet: bool, as_json: bool,
              report_path: str | None) -> None:
     """Find the fastest settings for MODEL on this machine and save them as a profile.
 
     Running the same command again resumes the study; Ctrl-C stops the running trial and still
     writes the best profile so far. With variants, each one's quality is measured first (cached)
-    and the tune ends with the trade: each variant's best speed and its quality.
+    and the tune ends with the trade: each variant's best speed and its quality. One tuner measures
+    on a machine at a time: a second one waits for the first (or, with --no-wait, stops).
 
     \b
     Examples:
@@ -555,6 +572,7 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
       offload-tuner tune model.gguf --trials 30 --report tune.html
       offload-tuner tune model-F16.gguf --quantize Q4_K_M,Q6_K,Q8_0 --max-kl 0.05
       offload-tuner tune model-F16.gguf --quantize Q4_K_M,Q6_K,Q8_0 --min-tg 30
+      offload-tuner tune model.gguf --storage postgresql://tuner@db.example/tuning --no-wait
     """
     from ..search.study import tune
 
@@ -593,7 +611,7 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
                       on_event=_Progress(quiet or as_json), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
                       min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,
                       quality_ctx=quality_ctx, quantize=quantize_types or (), imatrix=imatrix,
-                      allow_requantize=allow_requantize, measure_quality=not no_quality)
+                      allow_requantize=allow_requantize, measure_quality=not no_quality, wait=not no_wait)
     except SettingsError as exc:
         # the API names its arguments (time_budget); the command line names its options
         option = {"time_budget": "--time-budget", "trial_timeout": "--trial-timeout", "min_ctx": "--min-ctx",

@@ -16,7 +16,7 @@ import click
 
 from ..errors import TunerError
 from ..profile.exports import FORMATS, export_args
-from ..paths import ENV_PROFILE_PATH, profiles_dir
+from ..paths import ENV_PROFILE_PATH, ENV_REGISTRY, profiles_dir
 from ..profile.document import Profile, ProfileWarning, format_bytes
 from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, write_bundle
 from ..report.summary import profile_summary
@@ -27,7 +27,8 @@ profile_group = click.Group(
         "Saved profiles: list, show, check against this machine, print as llama.cpp / ollama arguments, "
         "and share with a team as one bundle file.\n\n"
         "Profiles are looked up in your folder first, then in each folder of OFFLOAD_TUNER_PROFILE_PATH "
-        "(separated by ':'; ';' on Windows). A PROFILE argument is a file path or a name from "
+        "(separated by ':'; ';' on Windows), then in the team's registry (OFFLOAD_TUNER_REGISTRY, a database "
+        "URL: `profile publish` and `profile pull`). A PROFILE argument is a file path or a name from "
         "`offload-tuner profile list`.\n\n"
         "Example:\n\n"
         "    offload-tuner profile list --all"
@@ -308,6 +309,94 @@ def import_command(bundle: str, force: bool, dest: str | None) -> None:
         problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
     if problems:
         raise click.ClickException("; ".join(problems))
+
+
+def _registry_url(url: str | None, flag: str) -> str:
+    if not url:
+        raise click.UsageError(f"give {flag} URL (the team's database, e.g. postgresql://tuner@db.example/tuning), "
+                               f"or set {ENV_REGISTRY}")
+    return url
+
+
+@profile_group.command("publish")
+@click.argument("profiles", nargs=-1)
+@click.option("--to", "url", envvar=ENV_REGISTRY, show_envvar=True,
+              help="The registry: a database URL (PostgreSQL for a team; any SQLAlchemy URL works).")
+@click.option("--force", is_flag=True, help="Replace a different profile of the same model and machine in the registry.")
+def publish_command(profiles: tuple[str, ...], url: str | None, force: bool) -> None:
+    """Publish profiles to the team's registry, for machines of the same hardware class. No PROFILES: all of yours.
+
+    Each profile is validated; the same profile again is reported as a duplicate, and another profile of
+    the same model on the same machine is not replaced without --force.
+
+    Example:
+
+        offload-tuner profile publish --to postgresql://tuner@db.example/tuning
+    """
+    from ..profile.registry import publish
+
+    url = _registry_url(url, "--to")
+    if profiles:
+        chosen = [_resolve(ref) for ref in profiles]
+    else:
+        entries = list_profiles([profiles_dir()])
+        chosen = [e.profile for e in entries if e.profile is not None]
+        for entry in entries:
+            if entry.error is not None:
+                click.echo(f"skipped {entry.path}: {entry.error}", err=True)
+        if not chosen:
+            raise click.ClickException(f"no profiles in {profiles_dir()} to publish; tune first, or name the ones to publish")
+    try:
+        results = publish(chosen, url, force=force)
+    except TunerError as exc:
+        raise click.ClickException(str(exc)) from None
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result.action] = counts.get(result.action, 0) + 1
+        click.echo(f"{result.name}: {result.action}: {result.detail}")
+    click.echo(", ".join(f"{n} {action}" for action, n in counts.items()))
+    if counts.get("conflict"):
+        click.echo("nothing was overwritten; --force replaces the registry's profile", err=True)
+    if counts.get("invalid"):
+        raise click.ClickException(f"{counts['invalid']} profile(s) are invalid and were not published")
+
+
+@profile_group.command("pull")
+@click.option("--from", "url", envvar=ENV_REGISTRY, show_envvar=True, help="The registry's database URL.")
+@click.option("--class", "hardware_class", default=None,
+              help="The hardware class to fetch (default: this machine's; `offload-tuner probe --json` shows it).")
+@click.option("--force", is_flag=True, help="Replace profiles that are already in your folder.")
+@click.pass_context
+def pull_command(ctx: click.Context, url: str | None, hardware_class: str | None, force: bool) -> None:
+    """Copy the team's profiles for this machine's hardware class from the registry into your folder.
+
+    A machine of a known hardware class gets the team's profiles without tuning. Each profile is validated;
+    duplicates are reported, and nothing is overwritten without --force.
+
+    Example:
+
+        offload-tuner profile pull --from postgresql://tuner@db.example/tuning
+    """
+    from ..profile.registry import pull
+
+    url = _registry_url(url, "--from")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileWarning)
+        try:
+            results = pull(url, hardware_class=hardware_class, machine=None if hardware_class else _machine(ctx), force=force)
+        except TunerError as exc:
+            raise click.ClickException(str(exc)) from None
+    _show_warnings(caught)
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result.action] = counts.get(result.action, 0) + 1
+        where = f" -> {result.path}" if result.action in ("imported", "replaced") else ""
+        click.echo(f"registry #{result.index} {result.action}{where}: {result.detail}")
+    click.echo(", ".join(f"{n} {action}" for action, n in counts.items()) or "the registry has no profile for this hardware class")
+    if counts.get("conflict") or (counts.get("duplicate") and not force):
+        click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
+    if counts.get("invalid"):
+        raise click.ClickException(f"{counts['invalid']} profile(s) in the registry are invalid and were not pulled")
 
 
 __all__ = ["profile_group"]

@@ -49,6 +49,7 @@ from ..engine.dimensions import context_tokens, offloaded_layers
 from ..errors import NoMatchingProfileError, ProfileMismatchError, SettingsError
 from ..model.estimate import cache_cells
 from ..model.gguf import model_fingerprint
+from ..paths import ENV_REGISTRY
 from .document import (
     LlamaBuildWarning,
     Profile,
@@ -83,18 +84,38 @@ def load_profile(
     machine: "Machine | None" = None,
     strict: bool = False,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    registry: str | None = None,
 ) -> Profile:
     """The best profile for this model file on this machine, checked (and if needed degraded) to fit now.
 
     ``machine`` defaults to this machine (``tuner.hardware.probe(llama=False)``); tests inject one.
+    When no local folder has one, the team's registry is asked (``registry``, by default
+    ``OFFLOAD_TUNER_REGISTRY``; see ``tuner.profile.registry``), and its answer cached locally.
     Raises ``NoMatchingProfileError`` listing each profile found and why it did not match.
     """
     fingerprint = model_fingerprint(model_path)
     probed = machine is None
     machine = machine if machine is not None else this_machine()
-    this_fp, this_class = machine.fingerprint(), machine.hardware_class()
-    entries = list_profiles(search_path)
     folders = profile_search_path(search_path)
+    candidates, rejected = _match(list_profiles(search_path), folders, fingerprint, machine)
+    url = registry if registry is not None else os.environ.get(ENV_REGISTRY, "")
+    if not candidates and url:
+        from .registry import refresh_for_model
+
+        cache = refresh_for_model(url, fingerprint, machine)
+        folders = folders + [cache]
+        more, why = _match(list_profiles([cache]), folders, fingerprint, machine)
+        candidates += more
+        rejected += why
+    if not candidates:
+        raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
+    best = min(candidates, key=lambda c: c[:4])[-1]
+    return _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes)
+
+
+def _match(entries: list, folders: list, fingerprint: dict, machine: "Machine") -> tuple[list, list[str]]:
+    """Profiles of ``entries`` for this model on this machine, ranked; and why the others are not."""
+    this_fp, this_class = machine.fingerprint(), machine.hardware_class()
     candidates = []
     rejected = []
     for order, entry in enumerate(entries):
@@ -114,10 +135,7 @@ def load_profile(
         rank = 0 if profile.machine.fingerprint == this_fp else 1
         folder = folders.index(entry.origin) if entry.origin in folders else len(folders)
         candidates.append((rank, folder, -_timestamp(profile.created_at), order, profile))
-    if not candidates:
-        raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
-    best = min(candidates, key=lambda c: c[:4])[-1]
-    return _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes)
+    return candidates, rejected
 
 
 def this_machine() -> "Machine":

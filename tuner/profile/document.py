@@ -49,7 +49,8 @@ key                            meaning
 ``layers_total``               layers llama.cpp counts (the repeating layers + the output layer)
 ``runner_up``                  ``null``, or ``{settings, pp, tg}`` when the second best was within noise
 ``trials``                     ``{run, pruned, oom, failed}``
-``study``                      ``null``, or ``{name, storage}`` of the Optuna study it came from
+``study``                      ``null``, or ``{name, storage}`` of the Optuna study it came from (the storage URL
+                               without credentials: removed on reading and writing)
 ``quality``                    ``null``, or the chosen variant's quality against the reference (as
                                ``offload-tuner quality`` measures it): ``kl`` ``{mean, median, p99}``,
                                ``top1_agreement``, ``ppl``, ``ppl_ratio``, ``reference`` ``{file_name, sha256}``,
@@ -86,6 +87,7 @@ from .. import limits
 from ..errors import ProfileValidationError, SchemaVersionError, SettingsError
 from ..paths import atomic_write_text, profiles_dir
 from ..engine.settings import Settings
+from .dburl import redact_url
 
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
@@ -443,7 +445,10 @@ class Profile:
                 "tg": _stats_dict(self.runner_up.tg),
             },
             "trials": _asdict(self.trials),
-            "study": None if self.study is None else _asdict(self.study),
+            "study": None if self.study is None else {
+                "name": self.study.name,
+                "storage": None if self.study.storage is None else redact_url(self.study.storage),
+            },
         }
         # 1.2's settings only in a 1.2 (or later) document, and 1.1's keys only in a 1.1 one: an older
         # profile written again stays one an older reader accepts (it refuses keys it does not know in
@@ -908,7 +913,9 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
     st = _get(top, "study", "", None)
     if st is not None:
         st = _obj(st, "study", ("name", "storage"), ctx)
-        study = StudyRef(_str(st, "name", "study"), _str(st, "storage", "study", nullable=True, default=None))
+        storage = _str(st, "storage", "study", nullable=True, default=None)
+        # a password in the URL never travels further than the file that had it
+        study = StudyRef(_str(st, "name", "study"), redact_url(storage) if storage is not None else None)
 
     quality = _quality(_get(top, "quality", "", None), ctx)
     quality_budget = _quality_budget(_get(top, "quality_budget", "", None), ctx)

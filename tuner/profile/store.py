@@ -205,6 +205,17 @@ def import_bundle(
     the bundle) are reported and skipped; nothing is overwritten without ``force``. The profile's
     document is written as it came (a newer minor version keeps its extra keys).
     """
+    return import_items(read_bundle(bundle_path), dest=dest, force=force, search_path=search_path)
+
+
+def import_items(
+    items: Iterable[BundleItem],
+    *,
+    dest: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    search_path: SearchPath = None,
+) -> list[ImportResult]:
+    """``import_bundle`` for profiles from anywhere (a bundle, the team's registry)."""
     dest_dir = Path(dest) if dest is not None else profiles_dir()
     existing: dict[str, Path] = {}
     for entry in list_profiles([dest_dir, *profile_search_path(search_path)]):
@@ -212,7 +223,7 @@ def import_bundle(
             existing.setdefault(entry.profile.identity(), entry.path)
     seen_in_bundle: dict[str, int] = {}
     results = []
-    for item in read_bundle(bundle_path):
+    for item in items:
         if isinstance(item.result, ProfileError):
             results.append(ImportResult(item.position, "invalid", None, str(item.result)))
             continue
@@ -237,7 +248,7 @@ def import_bundle(
             )
             continue
         try:
-            atomic_write_text(target, json.dumps(item.document, indent=2, allow_nan=False) + "\n")
+            atomic_write_text(target, json.dumps(_without_credentials(item.document, profile), indent=2, allow_nan=False) + "\n")
         except FileWriteError as exc:
             # one profile that cannot be written (a full disk, a read-only folder) is reported; the
             # others are still imported
@@ -247,6 +258,17 @@ def import_bundle(
             ImportResult(item.position, "replaced" if replaced else "imported", target, f"{profile.model.file_name} on {profile.machine.describe()}", profile)
         )
     return results
+
+
+def _without_credentials(document: Mapping[str, Any] | None, profile: Profile) -> Mapping[str, Any]:
+    """The document as it came, but with the study's storage URL as parsed (its password removed:
+    profiles written before redaction covered every form could carry one)."""
+    if document is None:
+        return profile.to_dict()
+    study = document.get("study")
+    if isinstance(study, Mapping) and profile.study is not None and study.get("storage") != profile.study.storage:
+        return {**document, "study": {**study, "storage": profile.study.storage}}
+    return document
 
 
 def _describe_existing(path: Path) -> str:
@@ -299,4 +321,5 @@ __all__ = [
     "write_bundle",
     "read_bundle",
     "import_bundle",
+    "import_items",
 ]

@@ -13,20 +13,23 @@ the loop only; its collaborators do the rest:
 - ``remeasure``: the leading candidates measured again side by side, and the winner picked;
 - ``quality`` and ``budget``: each variant's quality measured first (cached), the variants over a
   quality budget left out, a speed target's winner picked by quality, and the trade printed;
-- ``tuner.profile.document.Profile.from_tuning``: the profile written at the end.
+- ``tuner.profile.document.Profile.from_tuning``: the profile written at the end;
+- ``storage``: the study store (SQLite by default, PostgreSQL for a team), with heartbeats, and the
+  trials a dead tuner left running recovered;
+- ``tuner.machine.lock``: one tuner measures on a machine at a time (a second one waits, or refuses).
 
-The study lives in SQLite under the data folder (any SQLAlchemy URL works), named from the machine,
-the model and the search space, so running the same command again resumes it: completed trials are
-not repeated. Ctrl-C kills the running trial and still writes the best profile so far.
+The study is named from the machine, the model and the search space, so running the same command
+again resumes it: completed trials are not repeated, and a trial left running by a tuner that died
+is failed and measured again. Ctrl-C kills the running trial and still writes the best profile so far.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -38,10 +41,12 @@ from ..engine.outcome import Outcome
 from ..engine.python import TrialRunner
 from .. import limits
 from ..errors import SettingsError, StudyError, TunerError
+from ..machine.lock import MachineLock
 from ..machine.probe import Machine, probe
 from ..model.estimate import MemoryEstimate
 from ..model.inspect import ModelInfo
-from ..paths import ensure_writable, studies_dir, study_storage_url
+from ..paths import ensure_writable, studies_dir
+from ..profile.dburl import redact_url
 from ..profile.document import Profile, output_folder
 from .candidates import Candidates, accelerator_devices, settings_key
 from .interrupt import CtrlC
@@ -50,6 +55,7 @@ from .budget import QualityBudget, median, rank_for_target, trade
 from .quality import DEFAULT_CHUNKS, DEFAULT_CTX, QualityMeter, QualityReport, choose_reference
 from .remeasure import Contender, Remeasure, pick_winner
 from .space import SearchSpace, build_space
+from .storage import StudyStore
 from .variants import expand_variants, vet_variants
 
 MiB = 1 << 20
@@ -84,7 +90,7 @@ class TuneResult:
             "best": self.best,
             "runner_up": self.runner_up,
             "trials": self.counts,
-            "study": {"name": self.study_name, "storage": self.storage},
+            "study": {"name": self.study_name, "storage": redact_url(self.storage)},
             "interrupted": self.interrupted,
             "rejected_variants": self.rejected,
             "excluded_dimensions": self.space.excluded,
@@ -113,6 +119,22 @@ def study_name_for(model: ModelInfo, machine: Machine, space: SearchSpace, objec
     return f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+def _release_on_failure(init: Callable[..., None]) -> Callable[..., None]:
+    """A Tuner whose construction fails lets go of the machine at once (not when collected)."""
+
+    @functools.wraps(init)
+    def wrapper(self: "Tuner", *args: Any, **kwargs: Any) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            lock = getattr(self, "lock", None)
+            if lock is not None:
+                lock.release()
+            raise
+
+    return wrapper
+
+
 @dataclass(frozen=True)
 class _Record:
     number: int
@@ -123,6 +145,7 @@ class _Record:
 class Tuner:
     """One tuning run. ``tune()`` below is the function most callers want."""
 
+    @_release_on_failure
     def __init__(
         self,
         model: str | Path,
@@ -163,6 +186,7 @@ class Tuner:
         imatrix: str | Path | None = None,
         allow_requantize: bool = False,
         measure_quality: bool = True,
+        wait: bool = True,
     ) -> None:
         if objective not in OBJECTIVES:
             raise SettingsError("objective", f"expected one of {', '.join(OBJECTIVES)}, got {objective!r}")
@@ -193,6 +217,14 @@ class Tuner:
         ensure_writable(output_folder(self.out))
         if storage is None:
             ensure_writable(studies_dir())
+        # a SQLAlchemy URL (or an Optuna storage object): one that cannot work is said now
+        self.store = StudyStore(storage)
+        self.store.check()
+        self.storage = self.store.url
+        # One tuner measures on a machine at a time, from here: quantizing, measuring quality and
+        # the probe's free memory would all be disturbed by another tuner's trials.
+        self.lock = MachineLock.for_machine(machine, what=f"tune {Path(model).name}")
+        self.lock.acquire(wait=wait, on_wait=lambda message: self.emit({"kind": "waiting", "message": message}))
 
         self.budget = QualityBudget(max_kl=max_kl, max_ppl_increase=max_ppl_increase, min_tg=min_tg, min_pp=min_pp)
         if quantize:
@@ -234,9 +266,6 @@ class Tuner:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
             self.space = self.space.narrowed(**space_overrides)
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, vram_margin)
-        # a SQLAlchemy URL; or an Optuna storage object (simulations keep their studies in memory)
-        self._storage = storage or study_storage_url()
-        self.storage = self._storage if isinstance(self._storage, str) else f"{type(self._storage).__name__} (not saved)"
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
 
     def _measure_quality(self, reference: str | Path | None, corpus: str | Path | None, chunks: int,
@@ -266,27 +295,38 @@ class Tuner:
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self) -> TuneResult:
+        try:
+            with self.store.guard():
+                return self._run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Let another tuner measure on this machine (``run()`` does this when it ends)."""
+        self.store.close()
+        self.lock.release()
+
+    def _run(self) -> TuneResult:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         sampler = make_sampler(self.seed)
-        study = optuna.create_study(storage=self._storage, study_name=self.study_name, direction="maximize",
-                                    load_if_exists=True, sampler=sampler)
+        study = self.store.study(self.study_name, sampler)
         if self.quality is not None:
             study.set_user_attr("quality", self.quality.to_dict())
         if self.budget.has_limit or self.budget.has_target:
             study.set_user_attr("quality_budget", self.budget.to_dict())
         done, launched_before = self._resume(study)
-        resumed = bool(done)
+        resumed = bool(study.get_trials(deepcopy=False))
         if not resumed:
             for s in self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
                                            depth=self.bench.depth + self.bench.n_gen // 2,
                                            unified_memory=self.machine.unified_memory):
                 study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True}, skip_if_exists=True)
-        self.emit({"kind": "start", "study": self.study_name, "storage": _redact(self.storage), "resumed": resumed,
-                   "done": len(done), "space": self.space.describe(), "grid": self.space.grid_size(),
-                   "variants": list(self.models), "rejected": self.rejected, "trials": self.trials,
-                   "time_budget": self.time_budget})
+        self.emit({"kind": "start", "study": self.study_name, "storage": redact_url(self.storage), "resumed": resumed,
+                   "done": len(done), "recovered": list(self.store.recovered), "space": self.space.describe(),
+                   "grid": self.space.grid_size(), "variants": list(self.models), "rejected": self.rejected,
+                   "trials": self.trials, "time_budget": self.time_budget})
 
         engine = self.engine or TrialRunner(timeout_s=self.trial_timeout)
         try:
@@ -316,11 +356,11 @@ class Tuner:
         launched_before = 0
         for t in study.get_trials(deepcopy=False):
             key = t.user_attrs.get("settings_key")
-            if key and t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and not t.user_attrs.get("interrupted"):
+            if key and t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and _settled(t):
                 done.setdefault(key, t)
             if t.user_attrs.get("oom_device"):
                 self.candidates.remember_oom(t.user_attrs["oom_device"], int(t.user_attrs["oom_need"]))
-            if t.user_attrs.get("launched") and not t.user_attrs.get("interrupted"):
+            if _measured(t):
                 launched_before += 1
         return done, launched_before
 
@@ -347,7 +387,9 @@ class Tuner:
                     self.emit({"kind": "exhausted", "asks": asks})
                     return False
                 asks += 1
+                self.store.sweep(study)
                 trial = study.ask()
+                self.store.claim(trial)
                 try:
                     s = self.space.suggest(trial)
                 except (ValueError, SettingsError) as exc:
@@ -555,7 +597,7 @@ class Tuner:
             layers_total=best.layers[1] if best.layers[1] is not None else info.n_layer + 1,
             runner_up=runner_up,
             trials=counts,
-            study={"name": self.study_name, "storage": _redact(self.storage)},
+            study={"name": self.study_name, "storage": redact_url(self.storage)},
             quality=quality,
             quality_budget=asked,
         )
@@ -565,7 +607,7 @@ def _counts(trials: Sequence[Any]) -> dict[str, int]:
     """Trials run, not launched (pruned), out of memory, failed otherwise; duplicates not counted."""
     from optuna.trial import TrialState
 
-    ran = [t for t in trials if t.user_attrs.get("launched") and not t.user_attrs.get("interrupted")]
+    ran = [t for t in trials if _measured(t)]
     return {
         "run": len(ran),
         "pruned": sum(1 for t in trials if t.state == TrialState.PRUNED and "duplicate_of" not in t.user_attrs),
@@ -599,9 +641,20 @@ def _best_value(study: Any) -> float | None:
         return None
 
 
-def _redact(url: str) -> str:
-    """A storage URL without its password."""
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+def _measured(trial: Any) -> bool:
+    """Whether a trial's measurement ended with an outcome the study was told: not interrupted, not
+    killed with its tuner. (A tuner killed between recording "ok" and telling the study leaves a
+    trial that recovery fails: FAIL with outcome "ok", measured again.)"""
+    outcome = trial.user_attrs.get("outcome")
+    if not trial.user_attrs.get("launched") or outcome is None:
+        return False
+    return outcome != "ok" or trial.state.name == "COMPLETE"
+
+
+def _settled(trial: Any) -> bool:
+    """Whether a finished trial answers for its candidate: decided without launching (pruned), or
+    measured to an outcome. A trial interrupted or killed mid-measurement does not: it runs again."""
+    return not trial.user_attrs.get("launched") or _measured(trial)
 
 
 def tune(model: str | Path, **kwargs: Any) -> TuneResult:

@@ -1,0 +1,286 @@
+"""The study store: Optuna's RDB storage (SQLite by default, PostgreSQL for a team), opened so that
+several tuners can share it and a tuner killed mid-trial leaves nothing behind.
+
+    store = StudyStore("postgresql://tuner@db/tuning")     # None: SQLite in the data folder
+    study = store.study("model-0123abcd", sampler)        # created, or resumed and recovered
+    trial = study.ask(); store.claim(trial)                # heartbeats cover it from now on
+    ...
+    store.close()
+
+- **Heartbeats.** Each running trial's heartbeat is recorded every ``HEARTBEAT_INTERVAL`` seconds
+  (Optuna's ``trial_heartbeats`` table, by a thread of ours: Optuna's own beats only inside
+  ``Study.optimize``, and our loop is ask/tell). A trial whose heartbeat is older than
+  ``GRACE_PERIOD`` belonged to a tuner that died: Optuna's ``fail_stale_trials`` marks it failed.
+- **Orphans found at once.** Each trial records the host, pid and start time of its tuner. On
+  resume, a RUNNING trial of this host whose tuner process is gone is failed at once (no waiting
+  for the grace period); one with no tuner recorded (written before heartbeats existed) once it
+  is older than the grace period.
+- **Retry.** A failed-by-death trial that had launched is queued again with the same parameters
+  (``retry_of``), at most ``MAX_RETRY`` times: the next run measures it instead of forgetting it.
+  (Optuna's ``RetryHeartbeatStaleTrialCallback`` copies the dead trial's user attributes into the
+  retry, which would count it as launched before it runs; ours starts it clean.)
+- **Creating the tables** on a fresh PostgreSQL database is serialized with an advisory lock (two
+  tuners at once raced in ``CREATE TABLE``); elsewhere a retry covers the same race.
+- **Errors** are one line (``StorageError``): the URL without its password, what went wrong, what
+  to do; a damaged SQLite file is named with how to move it aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+import socket
+import threading
+import time
+import warnings
+from typing import Any, Iterator
+
+from ..errors import StorageError
+from ..paths import studies_dir
+from ..profile.dburl import advisory_lock, engine_kwargs, explain, normalize_url, redact_url, remember
+
+HEARTBEAT_INTERVAL = 10  # seconds between a running trial's heartbeats
+GRACE_PERIOD = 60  # seconds without a heartbeat after which a running trial's tuner is taken for dead
+MAX_RETRY = 2  # how often a trial whose tuner died is queued again
+
+
+
+def _quiet() -> None:
+    """Our loop is ask/tell, so Optuna warns that heartbeats are meant for ``Study.optimize``; we
+    beat ourselves. The heartbeat arguments and ``fail_stale_trials`` are marked experimental.
+    None of it is news to a user. (Set at each use: pytest and apps reset the filters.)"""
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    warnings.filterwarnings("ignore", message=r"Argument ``(heartbeat_interval|grace_period)``")
+    warnings.filterwarnings("ignore", message=r"optuna\.storages\._heartbeat\.fail_stale_trials is experimental")
+
+
+def default_url() -> str:
+    """The default store: one SQLite file in the data folder."""
+    return f"sqlite:///{studies_dir() / 'studies.db'}"
+
+
+def this_tuner() -> dict[str, Any]:
+    """Who runs trials here: host, pid and the process's start time (a pid alone can be reused)."""
+    return {"tuner_host": socket.gethostname(), "tuner_pid": os.getpid(), "tuner_started": _process_started(os.getpid())}
+
+
+def _process_started(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return round(psutil.Process(pid).create_time(), 2)
+    except Exception:
+        return None
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    """Whether the tuner process that recorded (pid, started) still runs."""
+    now = _process_started(pid)
+    if now is None:
+        return False
+    return started is None or abs(now - started) < 1.0
+
+
+class StudyStore:
+    """One tuner's connection to a study store. See the module docstring."""
+
+    def __init__(self, url: str | None = None, *, heartbeat_interval: int = HEARTBEAT_INTERVAL,
+                 grace_period: int = GRACE_PERIOD) -> None:
+        self.url = url or default_url()
+        remember(self.url)  # any message this process prints loses the password
+        self.shown = redact_url(self.url)
+        self.heartbeat_interval = heartbeat_interval
+        self.grace_period = grace_period
+        self.me = this_tuner()
+        self.recovered: list[int] = []  # trial numbers failed here because their tuner died
+        self._storage: Any = None
+        self._current: int | None = None  # trial id whose heartbeat we keep
+        self._beating = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.heartbeat_error: str | None = None
+        self._last_sweep = -1e9
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Fail now (one line) on a URL that cannot work whatever the server does: not a URL, an
+        unknown database kind, a driver that is not installed. Nothing connects yet."""
+        import sqlalchemy
+
+        try:
+            sqlalchemy.create_engine(normalize_url(self.url), **engine_kwargs(normalize_url(self.url))).dispose()
+        except Exception as exc:
+            raise explain(exc, self.url, what="study database") from None
+
+    def storage(self) -> Any:
+        """Optuna's ``RDBStorage`` for this URL (created once), tables created if needed."""
+        if self._storage is None:
+            self._storage = self._open()
+        return self._storage
+
+    def _open(self) -> Any:
+        import optuna
+        import sqlalchemy
+
+        _quiet()
+        url = normalize_url(self.url)
+        kwargs = engine_kwargs(url)
+
+        def create() -> Any:
+            return optuna.storages.RDBStorage(
+                url, engine_kwargs=kwargs, heartbeat_interval=self.heartbeat_interval,
+                grace_period=self.grace_period, **_callback_argument(self._retry_stale),
+            )
+
+        try:
+            lock_engine = sqlalchemy.create_engine(url, **kwargs)
+        except Exception as exc:
+            raise explain(exc, self.url, what="study database") from None
+        try:
+            for attempt in range(3):
+                try:
+                    with lock_engine.connect() as connection:
+                        release = advisory_lock(connection, "offload-tuner: create Optuna's tables")
+                        try:
+                            return create()
+                        finally:
+                            release()
+                except sqlalchemy.exc.IntegrityError:
+                    # the same race where no advisory lock exists (MySQL...): the other one won
+                    if attempt == 2:
+                        raise
+                    time.sleep(0.2 * (attempt + 1))
+        except RuntimeError as exc:  # Optuna: the tables were made by an incompatible version
+            raise StorageError(f"{self.shown}: {exc}") from None
+        except Exception as exc:
+            raise explain(exc, self.url, what="study database") from None
+        finally:
+            lock_engine.dispose()
+        raise AssertionError("unreachable")
+
+    def study(self, name: str, sampler: Any) -> Any:
+        """Create the study, or load it and recover trials left RUNNING by a tuner that died."""
+        import optuna
+
+        with self.guard():
+            study = optuna.create_study(storage=self.storage(), study_name=name, direction="maximize",
+                                        load_if_exists=True, sampler=sampler)
+            self.recover(study)
+        self._start_heartbeats()
+        return study
+
+    # -- while running --------------------------------------------------------------------------
+
+    def claim(self, trial: Any) -> None:
+        """Mark ``trial`` as ours (host, pid) and keep its heartbeat from now until the next claim."""
+        _quiet()  # before the next ask
+        for key, value in self.me.items():
+            trial.set_user_attr(key, value)
+        self._current = trial._trial_id
+        self.storage().record_heartbeat(trial._trial_id)
+
+    def sweep(self, study: Any) -> None:
+        """Fail trials whose heartbeat stopped (their tuner died elsewhere) and queue them again;
+        at most once per heartbeat interval."""
+        import optuna
+
+        now = time.monotonic()
+        if now - self._last_sweep < self.heartbeat_interval:
+            return
+        self._last_sweep = now
+        _quiet()
+        optuna.storages.fail_stale_trials(study)
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Database failures inside become one line: what failed, and that the study is kept."""
+        import sqlalchemy
+
+        try:
+            yield
+        except sqlalchemy.exc.SQLAlchemyError as exc:
+            error = explain(exc, self.url, what="study database")
+            raise StorageError(f"{error}. The trials finished so far are kept in the store: run the same command "
+                               "again to resume") from None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._storage is not None:
+            with contextlib.suppress(Exception):
+                self._storage.engine.dispose()
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def recover(self, study: Any) -> list[int]:
+        """Fail the trials left RUNNING by a tuner that is gone, queue the launched ones again."""
+        from optuna.exceptions import UpdateFinishedTrialError
+        from optuna.trial import TrialState
+
+        storage = self.storage()
+        now = _dt.datetime.now()
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            host, pid = t.user_attrs.get("tuner_host"), t.user_attrs.get("tuner_pid")
+            if host is not None:
+                orphan = host == self.me["tuner_host"] and pid is not None and not _alive(int(pid), t.user_attrs.get("tuner_started"))
+            else:  # from before trials recorded their tuner: only when surely stale
+                orphan = t.datetime_start is not None and (now - t.datetime_start).total_seconds() > self.grace_period
+            if not orphan:
+                continue
+            try:
+                storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+            except UpdateFinishedTrialError:
+                continue  # another tuner got there first
+            self._retry(study, t)
+        self.sweep(study)
+        return self.recovered
+
+    def _retry_stale(self, study: Any, trial: Any) -> None:
+        self._retry(study, trial)
+
+    def _retry(self, study: Any, trial: Any) -> None:
+        self.recovered.append(trial.number)
+        if not trial.user_attrs.get("launched") or not trial.params:
+            return  # nothing was running: the search proposes it again if it is worth it
+        retries = int(trial.user_attrs.get("retries", 0)) + 1
+        if retries > MAX_RETRY:
+            return
+        study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.user_attrs.get("retry_of", trial.number),
+                                                            "retries": retries})
+
+    # -- heartbeats -------------------------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat, name="offload-tuner-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval):
+            trial_id = self._current
+            if trial_id is None:
+                continue
+            try:
+                self._storage.record_heartbeat(trial_id)
+                self.heartbeat_error = None
+            except Exception as exc:  # the database is away: keep trying, the trial goes on
+                self.heartbeat_error = f"{type(exc).__name__}"
+
+
+def _callback_argument(callback: Any) -> dict[str, Any]:
+    """The stale-trial callback under the name this Optuna takes (renamed in 4.9)."""
+    import inspect
+
+    import optuna
+
+    names = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
+    if "heartbeat_stale_trial_callback" in names:
+        return {"heartbeat_stale_trial_callback": callback}
+    return {"failed_trial_callback": callback}
+
+
+__all__ = ["StudyStore", "default_url", "HEARTBEAT_INTERVAL", "GRACE_PERIOD", "MAX_RETRY"]
