@@ -34,11 +34,12 @@ import socket
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import StorageError
 from ..paths import studies_dir
-from ..profile.dburl import advisory_lock, engine_kwargs, explain, normalize_url, redact_url, remember
+from ..profile.dburl import advisory_lock, dialect_of, engine_kwargs, explain, normalize_url, redact_url, remember, sqlite_path
 
 HEARTBEAT_INTERVAL = 10  # seconds between a running trial's heartbeats
 GRACE_PERIOD = 60  # seconds without a heartbeat after which a running trial's tuner is taken for dead
@@ -127,6 +128,10 @@ class StudyStore:
         _quiet()
         url = normalize_url(self.url)
         kwargs = engine_kwargs(url)
+        if dialect_of(url) == "sqlite" and sqlite_path(url) != ":memory:":
+            # SQLite makes the file, not its folder; a new folder for studies is what a user means
+            with contextlib.suppress(OSError):
+                Path(sqlite_path(url)).expanduser().parent.mkdir(parents=True, exist_ok=True)
 
         def create() -> Any:
             return optuna.storages.RDBStorage(
@@ -246,6 +251,8 @@ class StudyStore:
         self.recovered.append(trial.number)
         if not trial.user_attrs.get("launched") or not trial.params:
             return  # nothing was running: the search proposes it again if it is worth it
+        if trial.user_attrs.get("outcome") not in (None, "ok"):
+            return  # it had ended (out of memory, a crash...): measuring it again would end the same
         retries = int(trial.user_attrs.get("retries", 0)) + 1
         if retries > MAX_RETRY:
             return
