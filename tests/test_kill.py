@@ -164,7 +164,7 @@ def test_a_tune_killed_mid_trial_resumes_with_nothing_left_running(backend, mode
     study = optuna.load_study(study_name=name, storage=storage)
     left = study.get_trials(states=(TrialState.RUNNING,))
     assert [t.number for t in left] == [running.number], [(t.number, t.state.name, sorted(t.user_attrs)) for t in study.trials]
-    assert left[0].user_attrs["tuner_pid"] == proc.pid
+    assert left[0].user_attrs["tuner"]["pid"] == proc.pid
     measured_before = {t.user_attrs["settings_key"] for t in study.trials if "outcome" in t.user_attrs and t.state != TrialState.RUNNING}
     # the retry queues behind the seeds still waiting: run enough trials to reach it
     total = len(measured_before) + len(study.get_trials(states=(TrialState.WAITING,))) + 1

@@ -130,7 +130,7 @@ def test_three_machines_tune_into_one_fresh_postgres_at_once(models, pg_url, tmp
         measured = [t for t in trials if "outcome" in t.user_attrs]
         assert len(measured) == 10 and all(t.state == TrialState.COMPLETE and t.value > 0 for t in measured)
         assert len({t.user_attrs["settings_key"] for t in measured}) == 10  # nothing measured twice
-        assert len({t.user_attrs["tuner_pid"] for t in trials}) == 1
+        assert len({t.user_attrs["tuner"]["pid"] for t in trials}) == 1
         profile = json.loads((tmp_path / f"profile-{i}.json").read_text())
         assert profile["machine"]["cpu_model"] == f"machine-{i}"
         assert profile["study"]["name"] == r["study"] and PASSWORD not in json.dumps(profile)
@@ -197,7 +197,7 @@ def test_a_trial_left_running_by_a_dead_tuner_is_failed_and_measured_again(backe
     assert first.space.suggest(trial) == dead
     store.claim(trial)  # as the loop does: this host, a pid, a heartbeat
     trial.set_user_attr("launched", True)
-    trial.set_user_attr("tuner_pid", _dead_pid())
+    trial.set_user_attr("tuner", {**store.me, "pid": _dead_pid()})
     store.close()
     assert study.get_trials(states=(TrialState.RUNNING,))
 
@@ -228,7 +228,7 @@ def test_a_trial_whose_heartbeat_stopped_on_another_host_is_failed(pg_url):
     trial = study.ask()
     trial.suggest_int("x", 0, 3)
     store.claim(trial)
-    trial.set_user_attr("tuner_host", "another-machine")  # not ours: only its heartbeat can tell
+    trial.set_user_attr("tuner", {**store.me, "host": "another-machine"})  # not ours: only its heartbeat can tell
     trial.set_user_attr("launched", True)
     store.recover(study)
     assert study.trials[0].state == TrialState.RUNNING  # its heartbeat is fresh: alive

@@ -72,18 +72,20 @@ def _version_key(text: str) -> tuple:
 class PostgresServer:
     """A PostgreSQL cluster of its own in a temporary folder, on a free port of 127.0.0.1, with a
     password-protected role for the tests (``user`` / ``password``) and trust only on its unix
-    socket for the superuser. Made for tests and benchmarks: fsync off, nothing kept.
+    socket for the superuser. Made for tests and benchmarks: nothing kept, and fsync off unless
+    ``durable`` (a benchmark compares it with a SQLite file, which does fsync).
 
     initdb and the server refuse to run as root; as root they run as the ``postgres`` user (the
     Debian package creates it), which owns the folder."""
 
-    def __init__(self, *, user: str = "tuner", password: str = "s3cret-Pa55;word") -> None:
+    def __init__(self, *, user: str = "tuner", password: str = "s3cret-Pa55;word", durable: bool = False) -> None:
         bindir = postgres_bindir()
         if bindir is None:
             raise RuntimeError("PostgreSQL is not installed (no initdb): apt-get install postgresql, or set "
                                f"{ENV_POSTGRES_BIN} to the folder holding initdb and postgres")
         self.bindir = bindir
         self.user, self.password = user, password
+        self.durable = durable
         self.base = Path(tempfile.mkdtemp(prefix="offload-tuner-pg-"))
         self.data = self.base / "data"
         self.port = _free_port()
@@ -110,10 +112,10 @@ class PostgresServer:
     def start(self) -> None:
         """Start (or start again after ``stop``) the server and wait until it accepts connections."""
         log = open(self.base / "server.log", "ab")
+        fast = [] if self.durable else ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         self.proc = subprocess.Popen(
             [str(self.bindir / "postgres"), "-D", str(self.data), "-p", str(self.port), "-k", str(self.base),
-             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
-             "-c", "full_page_writes=off", "-c", "max_connections=200", "-c", "shared_buffers=32MB"],
+             "-c", "listen_addresses=127.0.0.1", *fast, "-c", "max_connections=200", "-c", "shared_buffers=32MB"],
             stdout=log, stderr=log, cwd=self.base, start_new_session=True, **self._run_as,
         )
         log.close()

@@ -11,7 +11,8 @@ several tuners can share it and a tuner killed mid-trial leaves nothing behind.
   (Optuna's ``trial_heartbeats`` table, by a thread of ours: Optuna's own beats only inside
   ``Study.optimize``, and our loop is ask/tell). A trial whose heartbeat is older than
   ``GRACE_PERIOD`` belonged to a tuner that died: Optuna's ``fail_stale_trials`` marks it failed.
-- **Orphans found at once.** Each trial records the host, pid and start time of its tuner. On
+- **Orphans found at once.** Each trial records the host, pid and start time of its tuner (user
+  attribute ``tuner``). On
   resume, a RUNNING trial of this host whose tuner process is gone is failed at once (no waiting
   for the grace period); one with no tuner recorded (written before heartbeats existed) once it
   is older than the grace period.
@@ -62,8 +63,9 @@ def default_url() -> str:
 
 
 def this_tuner() -> dict[str, Any]:
-    """Who runs trials here: host, pid and the process's start time (a pid alone can be reused)."""
-    return {"tuner_host": socket.gethostname(), "tuner_pid": os.getpid(), "tuner_started": _process_started(os.getpid())}
+    """Who runs trials here: host, pid and the process's start time (a pid alone can be reused).
+    Recorded on each trial as the user attribute ``tuner`` (one write: on SQLite each is a commit)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_started(os.getpid())}
 
 
 def _process_started(pid: int) -> float | None:
@@ -181,8 +183,7 @@ class StudyStore:
     def claim(self, trial: Any) -> None:
         """Mark ``trial`` as ours (host, pid) and keep its heartbeat from now until the next claim."""
         _quiet()  # before the next ask
-        for key, value in self.me.items():
-            trial.set_user_attr(key, value)
+        trial.set_user_attr("tuner", self.me)
         self._current = trial._trial_id
         self.storage().record_heartbeat(trial._trial_id)
 
@@ -229,9 +230,10 @@ class StudyStore:
         storage = self.storage()
         now = _dt.datetime.now()
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            host, pid = t.user_attrs.get("tuner_host"), t.user_attrs.get("tuner_pid")
-            if host is not None:
-                orphan = host == self.me["tuner_host"] and pid is not None and not _alive(int(pid), t.user_attrs.get("tuner_started"))
+            tuner = t.user_attrs.get("tuner")
+            if isinstance(tuner, dict):
+                orphan = (tuner.get("host") == self.me["host"] and isinstance(tuner.get("pid"), int)
+                          and not _alive(tuner["pid"], tuner.get("started")))
             else:  # from before trials recorded their tuner: only when surely stale
                 orphan = t.datetime_start is not None and (now - t.datetime_start).total_seconds() > self.grace_period
             if not orphan:
