@@ -320,3 +320,51 @@ def test_a_profile_written_with_a_password_never_passes_it_on(tmp_path, tuner_ho
     assert imported.exit_code == 0, imported.output
     written = list((tuner_home / "profiles").glob("*.json"))
     assert len(written) == 1 and "Le4ked" not in written[0].read_text()
+
+
+def test_the_postgresql_driver_is_psycopg_3_whatever_sqlalchemy_defaults_to():
+    from tuner.profile.dburl import normalize_url
+
+    # SQLAlchemy 2.1 maps postgresql:// to psycopg 3, 2.0 to psycopg2 (not installed by the extra),
+    # and none accepts postgres://
+    assert normalize_url("postgresql://tuner@db/tuning") == "postgresql+psycopg://tuner@db/tuning"
+    assert normalize_url("postgres://tuner:pw@db/tuning") == "postgresql+psycopg://tuner:pw@db/tuning"
+    assert normalize_url("postgresql+psycopg2://tuner@db/tuning") == "postgresql+psycopg2://tuner@db/tuning"
+    assert normalize_url("sqlite:////x/studies.db") == "sqlite:////x/studies.db"
+
+
+def test_the_database_going_away_mid_tune_is_one_line_and_the_study_resumes(models, tmp_path):
+    from tuner.errors import StorageError
+    from tuner.testing import PostgresServer, postgres_bindir
+
+    if postgres_bindir() is None:
+        pytest.skip("PostgreSQL is not installed") if not os.environ.get("CI") else pytest.fail("PostgreSQL is not installed")
+    server = PostgresServer()  # its own: this test stops it
+    try:
+        url = server.create_database("team")
+        path = str(models["q8_0"])
+        calls = []
+
+        def speed(settings):
+            calls.append(settings)
+            if len(calls) == 3:
+                server.stop()  # the database goes away during the third trial
+            return (100.0, 10.0 + len(calls))
+
+        engine = ScriptedRunner({path: inspect(path)}, speed=speed)
+        with pytest.raises(StorageError) as caught:
+            Tuner(path, trials=6, machine=machine(), engine=engine, storage=url, **small()).run()
+        message = str(caught.value)
+        assert "cannot reach the study database at postgresql://tuner:***@127.0.0.1:" in message
+        assert "The trials finished so far are kept in the store: run the same command again to resume" in message
+        assert PASSWORD not in message and "\n" not in message
+
+        server.start()
+        events = []
+        engine = ScriptedRunner({path: inspect(path)})
+        result = Tuner(path, trials=6, machine=machine(), engine=engine, storage=url, on_event=events.append, **small()).run()
+        start = next(e for e in events if e["kind"] == "start")
+        assert start["resumed"] and start["done"] == 2 and len(start["recovered"]) == 1  # the third: left running
+        assert result.counts["run"] == 6 and len(engine.launched) == 4 + 3  # 4 more trials, then the final 3
+    finally:
+        server.close()

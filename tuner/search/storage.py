@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -62,10 +63,17 @@ def default_url() -> str:
     return f"sqlite:///{studies_dir() / 'studies.db'}"
 
 
+# The stores open in this process: a trial of this process whose store is closed was left behind
+# by a tuner that failed (its process lives on: an app, a test) and is an orphan too.
+_open_stores: set[str] = set()
+
+
 def this_tuner() -> dict[str, Any]:
-    """Who runs trials here: host, pid and the process's start time (a pid alone can be reused).
-    Recorded on each trial as the user attribute ``tuner`` (one write: on SQLite each is a commit)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_started(os.getpid())}
+    """Who runs trials here: host, pid and the process's start time (a pid alone can be reused),
+    and which store of the process. Recorded on each trial as the user attribute ``tuner`` (one
+    write: on SQLite each is a commit)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_started(os.getpid()),
+            "store": uuid.uuid4().hex[:12]}
 
 
 def _process_started(pid: int) -> float | None:
@@ -96,6 +104,7 @@ class StudyStore:
         self.heartbeat_interval = heartbeat_interval
         self.grace_period = grace_period
         self.me = this_tuner()
+        _open_stores.add(self.me["store"])
         self.recovered: list[int] = []  # trial numbers failed here because their tuner died
         self._storage: Any = None
         self._current: int | None = None  # trial id whose heartbeat we keep
@@ -203,15 +212,19 @@ class StudyStore:
     def guard(self) -> Iterator[None]:
         """Database failures inside become one line: what failed, and that the study is kept."""
         import sqlalchemy
+        from optuna.exceptions import StorageInternalError
 
         try:
             yield
-        except sqlalchemy.exc.SQLAlchemyError as exc:
-            error = explain(exc, self.url, what="study database")
+        except (sqlalchemy.exc.SQLAlchemyError, StorageInternalError) as exc:
+            # Optuna wraps a failed commit in StorageInternalError; the database's own error is its cause
+            cause = exc.__cause__ if isinstance(exc, StorageInternalError) and exc.__cause__ is not None else exc
+            error = explain(cause, self.url, what="study database")
             raise StorageError(f"{error}. The trials finished so far are kept in the store: run the same command "
                                "again to resume") from None
 
     def close(self) -> None:
+        _open_stores.discard(self.me["store"])
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -232,8 +245,9 @@ class StudyStore:
         for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             tuner = t.user_attrs.get("tuner")
             if isinstance(tuner, dict):
-                orphan = (tuner.get("host") == self.me["host"] and isinstance(tuner.get("pid"), int)
-                          and not _alive(tuner["pid"], tuner.get("started")))
+                orphan = tuner.get("host") == self.me["host"] and isinstance(tuner.get("pid"), int) and (
+                    not _alive(tuner["pid"], tuner.get("started"))
+                    or (tuner["pid"] == os.getpid() and tuner.get("store") not in _open_stores))
             else:  # from before trials recorded their tuner: only when surely stale
                 orphan = t.datetime_start is not None and (now - t.datetime_start).total_seconds() > self.grace_period
             if not orphan:
