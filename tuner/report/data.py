@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import ProfileError, ReportError
 from ..paths import study_storage_url
+from ..profile.dburl import redact_url
 
 OK = "ok"
 PRUNED = "pruned"  # not launched: predicted not to fit, or past a learned out-of-memory limit
@@ -80,8 +81,8 @@ class ReportData:
 
 
 def redact(url: str) -> str:
-    """A storage URL without its password."""
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+    """A storage URL without its credentials (every form: ``tuner.profile.dburl``)."""
+    return redact_url(url)
 
 
 def _study_names(storage: str) -> list[str]:

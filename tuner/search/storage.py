@@ -1,7 +1,8 @@
 """The study store: Optuna's RDB storage (SQLite by default, PostgreSQL for a team), opened so that
 several tuners can share it and a tuner killed mid-trial leaves nothing behind.
 
-    store = StudyStore("postgresql://tuner@db/tuning")     # None: SQLite in the data folder
+    store = StudyStore("postgresql://tuner@db/tuning")     # None: SQLite in the data folder;
+                                                           # or an Optuna storage object (in memory)
     study = store.study("model-0123abcd", sampler)        # created, or resumed and recovered
     trial = study.ask(); store.claim(trial)                # heartbeats cover it from now on
     ...
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import StorageError
-from ..paths import studies_dir
+from ..paths import study_storage_url
 from ..profile.dburl import advisory_lock, dialect_of, engine_kwargs, explain, normalize_url, redact_url, remember, sqlite_path
 
 HEARTBEAT_INTERVAL = 10  # seconds between a running trial's heartbeats
@@ -60,7 +61,7 @@ def _quiet() -> None:
 
 def default_url() -> str:
     """The default store: one SQLite file in the data folder."""
-    return f"sqlite:///{studies_dir() / 'studies.db'}"
+    return study_storage_url()
 
 
 # The stores open in this process: a trial of this process whose store is closed was left behind
@@ -96,9 +97,12 @@ def _alive(pid: int, started: float | None) -> bool:
 class StudyStore:
     """One tuner's connection to a study store. See the module docstring."""
 
-    def __init__(self, url: str | None = None, *, heartbeat_interval: int = HEARTBEAT_INTERVAL,
+    def __init__(self, url: Any = None, *, heartbeat_interval: int = HEARTBEAT_INTERVAL,
                  grace_period: int = GRACE_PERIOD) -> None:
-        self.url = url or default_url()
+        # A SQLAlchemy URL; or an Optuna storage object (simulations keep their studies in memory:
+        # no heartbeats there, nothing outlives the process)
+        self._given = url if url is not None and not isinstance(url, str) else None
+        self.url: str = (url or default_url()) if self._given is None else f"{type(url).__name__} (not saved)"
         remember(self.url)  # any message this process prints loses the password
         self.shown = redact_url(self.url)
         self.heartbeat_interval = heartbeat_interval
@@ -121,6 +125,8 @@ class StudyStore:
         unknown database kind, a driver that is not installed. Nothing connects yet."""
         import sqlalchemy
 
+        if self._given is not None:
+            return
         try:
             sqlalchemy.create_engine(normalize_url(self.url), **engine_kwargs(normalize_url(self.url))).dispose()
         except Exception as exc:
@@ -129,7 +135,7 @@ class StudyStore:
     def storage(self) -> Any:
         """Optuna's ``RDBStorage`` for this URL (created once), tables created if needed."""
         if self._storage is None:
-            self._storage = self._open()
+            self._storage = self._given if self._given is not None else self._open()
         return self._storage
 
     def _open(self) -> Any:
@@ -193,8 +199,9 @@ class StudyStore:
         """Mark ``trial`` as ours (host, pid) and keep its heartbeat from now until the next claim."""
         _quiet()  # before the next ask
         trial.set_user_attr("tuner", self.me)
-        self._current = trial._trial_id
-        self.storage().record_heartbeat(trial._trial_id)
+        if self._given is None:
+            self._current = trial._trial_id
+            self.storage().record_heartbeat(trial._trial_id)
 
     def sweep(self, study: Any) -> None:
         """Fail trials whose heartbeat stopped (their tuner died elsewhere) and queue them again;
@@ -229,7 +236,7 @@ class StudyStore:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-        if self._storage is not None:
+        if self._storage is not None and self._given is None:
             with contextlib.suppress(Exception):
                 self._storage.engine.dispose()
 
@@ -278,7 +285,7 @@ class StudyStore:
     # -- heartbeats -------------------------------------------------------------------------------
 
     def _start_heartbeats(self) -> None:
-        if self._thread is None:
+        if self._thread is None and self._given is None:
             self._thread = threading.Thread(target=self._beat, name="offload-tuner-heartbeat", daemon=True)
             self._thread.start()
 
