@@ -334,7 +334,7 @@ def test_the_postgresql_driver_is_psycopg_3_whatever_sqlalchemy_defaults_to():
 
 
 def test_the_database_going_away_mid_tune_is_one_line_and_the_study_resumes(models, tmp_path):
-    from tuner.errors import StorageError
+    from tuner.errors import StudyError
     from tuner.testing import PostgresServer, postgres_bindir
 
     if postgres_bindir() is None:
@@ -352,11 +352,13 @@ def test_the_database_going_away_mid_tune_is_one_line_and_the_study_resumes(mode
             return (100.0, 10.0 + len(calls))
 
         engine = ScriptedRunner({path: inspect(path)}, speed=speed)
-        with pytest.raises(StorageError) as caught:
+        with pytest.raises(StudyError) as caught:
             Tuner(path, trials=6, machine=machine(), engine=engine, storage=url, **small()).run()
         message = str(caught.value)
-        assert "cannot reach the study database at postgresql://tuner:***@127.0.0.1:" in message
-        assert "The trials finished so far are kept in the store: run the same command again to resume" in message
+        assert message.startswith("the study database at postgresql://tuner:***@127.0.0.1:")
+        assert "(connection failed: connection to server at" in message
+        assert "the trials recorded before are kept there: check that the server is running and reachable, and " \
+               "run the same command again to resume study tiny-Q8_0-" in message
         assert PASSWORD not in message and "\n" not in message
 
         server.start()

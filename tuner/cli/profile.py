@@ -395,8 +395,13 @@ def pull_command(ctx: click.Context, url: str | None, hardware_class: str | None
     click.echo(", ".join(f"{n} {action}" for action, n in counts.items()) or "the registry has no profile for this hardware class")
     if counts.get("conflict") or (counts.get("duplicate") and not force):
         click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
+    problems = []
     if counts.get("invalid"):
-        raise click.ClickException(f"{counts['invalid']} profile(s) in the registry are invalid and were not pulled")
+        problems.append(f"{counts['invalid']} profile(s) in the registry are invalid and were not pulled")
+    if counts.get("failed"):
+        problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
+    if problems:
+        raise click.ClickException("; ".join(problems))
 
 
 __all__ = ["profile_group"]

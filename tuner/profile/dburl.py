@@ -178,7 +178,7 @@ def explain(exc: BaseException, url: str, *, what: str = "database") -> StorageE
     dialect = dialect_of(url)
     name = type(exc).__name__
     cause = exc.__cause__ or exc.__context__
-    detail = _first_line(exc)
+    detail = first_line(exc)
     if name == "ArgumentError" and "parse" in str(exc).lower() or (not dialect and name in ("ArgumentError", "ValueError")):
         return StorageError(
             f"{shown!r} is not a database URL; give one like sqlite:////path/to/studies.db or "
@@ -216,7 +216,7 @@ def _looks_like_connect_failure(detail: str) -> bool:
     return any(w in detail.lower() for w in words)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """The driver's own message: SQLAlchemy wraps it as ``(module.Error) message`` plus SQL and a
     link; keep the message."""
     orig = getattr(exc, "orig", None)
@@ -268,4 +268,5 @@ __all__ = [
     "dialect_of",
     "sqlite_path",
     "advisory_lock",
+    "first_line",
 ]

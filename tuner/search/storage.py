@@ -40,9 +40,20 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import StorageError
+from ..errors import StorageError, StudyError
 from ..paths import study_storage_url
-from ..profile.dburl import advisory_lock, dialect_of, engine_kwargs, explain, normalize_url, redact_url, remember, sqlite_path
+from ..profile.dburl import (
+    advisory_lock,
+    dialect_of,
+    engine_kwargs,
+    explain,
+    first_line,
+    normalize_url,
+    redact_url,
+    remember,
+    scrub,
+    sqlite_path,
+)
 
 HEARTBEAT_INTERVAL = 10  # seconds between a running trial's heartbeats
 GRACE_PERIOD = 60  # seconds without a heartbeat after which a running trial's tuner is taken for dead
@@ -216,19 +227,30 @@ class StudyStore:
         optuna.storages.fail_stale_trials(study)
 
     @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        """Database failures inside become one line: what failed, and that the study is kept."""
+    def guard(self, study_name: str = "") -> Iterator[None]:
+        """The database failing inside (a full disk, a server gone, a damaged file) becomes one
+        ``StudyError``: what failed, where, and that the same command resumes the study."""
         import sqlalchemy
         from optuna.exceptions import StorageInternalError
 
         try:
             yield
         except (sqlalchemy.exc.SQLAlchemyError, StorageInternalError) as exc:
-            # Optuna wraps a failed commit in StorageInternalError; the database's own error is its cause
-            cause = exc.__cause__ if isinstance(exc, StorageInternalError) and exc.__cause__ is not None else exc
-            error = explain(cause, self.url, what="study database")
-            raise StorageError(f"{error}. The trials finished so far are kept in the store: run the same command "
-                               "again to resume") from None
+            raise self.failed(exc, study_name) from None
+
+    def failed(self, exc: BaseException, study_name: str = "") -> StudyError:
+        root = exc
+        while root.__cause__ is not None:  # Optuna wraps a failed commit; the database's own words are inside
+            root = root.__cause__
+        why = scrub(first_line(root), [self.url])
+        verb = "could not be written" if isinstance(exc, _storage_internal_error()) else "failed"
+        resume = f" to resume study {study_name}" if study_name else " to resume"
+        if dialect_of(self.url) == "sqlite":
+            path = sqlite_path(self.url)
+            return StudyError(f"the study database {verb} ({why}); the trials recorded before are kept in {path}: "
+                              f"free the space (or fix the folder) and run the same command again{resume}")
+        return StudyError(f"the study database at {self.shown} {verb} ({why}); the trials recorded before are kept "
+                          f"there: check that the server is running and reachable, and run the same command again{resume}")
 
     def close(self) -> None:
         _open_stores.discard(self.me["store"])
@@ -299,6 +321,12 @@ class StudyStore:
                 self.heartbeat_error = None
             except Exception as exc:  # the database is away: keep trying, the trial goes on
                 self.heartbeat_error = f"{type(exc).__name__}"
+
+
+def _storage_internal_error() -> type:
+    from optuna.exceptions import StorageInternalError
+
+    return StorageInternalError
 
 
 def _callback_argument(callback: Any) -> dict[str, Any]:

@@ -296,7 +296,9 @@ class Tuner:
 
     def run(self) -> TuneResult:
         try:
-            with self.store.guard():
+            # a write to the study's database failing mid-tune (a full disk, a server gone) is one
+            # error: what was committed before is there, and the same command resumes from it
+            with self.store.guard(self.study_name):
                 return self._run()
         finally:
             self.close()
@@ -333,16 +335,6 @@ class Tuner:
             with CtrlC() as ctrl_c:
                 interrupted = self._loop(study, engine, ctrl_c, done, launched_before)
                 return self._finish(study, engine, interrupted or ctrl_c.requested, ctrl_c)
-        except optuna.exceptions.StorageInternalError as exc:
-            # a write to the study's database failed mid-tune (a full disk, most often): what was
-            # committed before is there, and the same command resumes from it
-            root: BaseException = exc
-            while root.__cause__ is not None:
-                root = root.__cause__
-            why = str(root).splitlines()[0][:300] if str(root) else type(root).__name__
-            raise StudyError(f"the study database could not be written ({why}); the trials recorded before are kept: "
-                             f"free the space (or fix the folder) and run the same command again to resume study "
-                             f"{self.study_name}") from exc
         finally:
             if self.engine is None:
                 engine.close()
