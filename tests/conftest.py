@@ -92,3 +92,22 @@ def rpc_servers():
         server.stop()
         if proc is not None:
             assert proc.poll() is not None, f"RPC server {server.endpoint} outlived its stop"
+
+
+@pytest.fixture(scope="session")
+def llama_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of real llama.cpp binaries (llama-bench, llama-fit-params) for the llama-cpp engine:
+    ``OFFLOAD_TUNER_LLAMA_BIN`` (``.ci/run`` builds it once per CI run), else built here from the
+    llama.cpp sources that match the installed llama-cpp-python (``LLAMA_CPP_SOURCE``)."""
+    from tuner.errors import TunerError
+    from tuner.testing import build_llama_cpp_tools, llama_cpp_source
+
+    given = os.environ.get("OFFLOAD_TUNER_LLAMA_BIN")
+    if given:
+        return Path(given)
+    if llama_cpp_source() is None:
+        pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
+    try:
+        return build_llama_cpp_tools(tmp_path_factory.mktemp("llama-bin"))
+    except TunerError as exc:
+        pytest.skip(str(exc))

@@ -159,7 +159,13 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
             "unified_memory": machine.unified_memory,
             "system": machine.system,
             "arch": machine.arch,
+            "devices": [
+                {"name": f"CUDA{g.index}", "description": g.name, "type": "gpu", "memory_total": g.memory_total,
+                 "unified_memory": False}
+                for g in machine.gpus
+            ],
         },
+        "engine": {"name": "python", "build": "b7400 (4341dc8bc)", "path": "/usr/lib/python3/site-packages/llama_cpp"},
         "llama_build": {
             "llama_cpp_python": "0.3.36",
             "llama_cpp_build": "b7400",
@@ -237,6 +243,35 @@ def test_round_trip_keeps_every_key():
     profile.validate()
 
 
+def test_a_1_0_profile_without_engine_or_devices_still_loads():
+    document = profile_dict()
+    document["schema_version"] = "1.0"
+    del document["engine"]
+    del document["machine"]["devices"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile = Profile.from_dict(document)
+    assert profile.engine is None and profile.machine.devices == ()
+    assert profile.schema_version == "1.0"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda d: d["engine"].update(name="vllm"), "engine.name: expected one of python, llama-cpp, got 'vllm'"),
+        (lambda d: d["engine"].pop("build"), "engine.build: missing"),
+        (lambda d: d["machine"]["devices"][0].update(type="cpu"), "machine.devices[0].type: expected gpu or igpu, got 'cpu'"),
+        (lambda d: d["machine"].update(devices={}), "machine.devices: expected a list, got an object"),
+    ],
+)
+def test_engine_and_devices_are_validated(change, message):
+    document = profile_dict()
+    change(document)
+    with pytest.raises(ProfileValidationError) as info:
+        Profile.from_dict(document)
+    assert str(info.value) == message
+
+
 def test_keys_the_docstring_table_documents_are_the_keys_written():
     import tuner.profile.document as module
 
@@ -260,7 +295,7 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d["model"].pop("size"), "model.size: missing"),
         (lambda d: d["model"].update(header_hash="not-hex"), "model.header_hash: expected a lowercase hex sha256, got 'not-hex'"),
         (lambda d: d["machine"]["gpus"][0].update(memory_total=-1), "machine.gpus[0].memory_total: expected an integer >= 0, got -1"),
-        (lambda d: d["machine"].update(gpu=[]), "machine.gpu: unknown key; expected one of: fingerprint, hardware_class, cpu_model, physical_cores, logical_cores, ram_total, gpus, unified_memory, system, arch"),
+        (lambda d: d["machine"].update(gpu=[]), "machine.gpu: unknown key; expected one of: fingerprint, hardware_class, cpu_model, physical_cores, logical_cores, ram_total, gpus, unified_memory, system, arch, devices"),
         (lambda d: d.update(min_ctx="8192"), "min_ctx: expected an integer, got '8192'"),
         (lambda d: d.update(min_ctx=65536), "min_ctx: expected at most settings.n_ctx (32768), got 65536"),
         (lambda d: d.update(objective="speed"), "objective: expected one of tg, pp, mixed, got 'speed'"),
@@ -274,7 +309,7 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d.update(layers_offloaded=38), "layers_offloaded: expected at most layers_total (37), got 38"),
         (lambda d: d["trials"].update(oom=None), "trials.oom: expected an integer, got null"),
         (lambda d: d.update(study={"name": ""}), "study.name: expected a non-empty string, got ''"),
-        (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study, quality, quality_budget"),
+        (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, engine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study, quality, quality_budget"),
         (lambda d: d.update(schema_version=1.0), f"schema_version: expected \"MAJOR.MINOR\" such as \"{SCHEMA_VERSION}\", got 1.0"),
     ],
 )
@@ -317,8 +352,8 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
 
 def test_newer_minor_without_unknown_keys_warns_too():
     document = profile_dict()
-    document["schema_version"] = "1.3"
-    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.3 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
+    document["schema_version"] = "1.4"
+    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.4 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
         Profile.from_dict(document)
 
 

@@ -8,12 +8,12 @@ import sys
 import tuner
 
 EXPECTED = [
-    "BenchSpec", "Llama", "LoadReport", "Machine", "MemoryEstimate", "ModelError", "ModelInfo",
+    "BenchSpec", "Engine", "EngineError", "Llama", "LoadReport", "Machine", "MemoryEstimate", "ModelError", "ModelInfo",
     "NoMatchingProfileError", "Outcome", "Profile", "ProfileError", "ProfileMismatchError", "ProfileValidationError",
     "QualityError", "QualityReport", "QuantizeError",
     "RPCError", "SchemaVersionError", "Settings", "SettingsError", "StudyError", "TrialResult", "TrialRunner",
     "TuneResult", "Tuner", "TunerError", "__version__", "check_profile", "estimate", "inspect", "list_profiles",
-    "load_profile", "max_gpu_layers", "parse_log", "probe", "quality", "read_profile", "run_trial", "tune",
+    "load_profile", "max_gpu_layers", "open_engine", "parse_log", "probe", "quality", "read_profile", "run_trial", "tune",
 ]
 
 

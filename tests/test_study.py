@@ -95,6 +95,7 @@ def test_no_gpu_tune_writes_a_valid_profile(models, tuner_home):
     assert read_profile(result.profile_path) == profile
     assert data["schema_version"] == SCHEMA_VERSION and data["objective"] == "tg" and data["min_ctx"] == 512
     assert data["quality"] is None and data["quality_budget"] is None  # the scripted engine scores no text
+    assert data["engine"] is None  # the scripted engine measures nothing a profile could name
     assert data["trials"]["run"] == 6 and data["trials"]["oom"] == 0
     assert data["measured"]["tg"]["median"] > 0 and len(data["measured"]["tg"]["samples"]) == 3
     assert data["model"]["header_hash"] == infos[data["settings"]["model_path"]].header_hash

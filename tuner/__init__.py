@@ -27,6 +27,7 @@ _EXPORTS = {
     "RPCError": "errors",
     "QualityError": "errors",
     "QuantizeError": "errors",
+    "EngineError": "errors",
     # foundation
     "Settings": "engine.settings",
     "Machine": "machine.probe",
@@ -44,6 +45,9 @@ _EXPORTS = {
     "run_trial": "engine.python",
     "TrialRunner": "engine.python",
     "BenchSpec": "engine.base",
+    # engines: llama-cpp-python or the user's own llama.cpp binaries
+    "Engine": "engine.base",
+    "open_engine": "engine.select",
     # tune
     "tune": "search.study",
     "Tuner": "search.study",

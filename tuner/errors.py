@@ -10,6 +10,8 @@
     │   └── RemoteModelError       a model's URL cannot be read (HTTP error, no range support, timeout)
     ├── SettingsError              a candidate setting is invalid (before any launch)
     ├── RunnerError                the trial machinery itself failed (not a trial outcome)
+    ├── EngineError                an engine cannot be used (no llama.cpp binaries there, one that
+    │                              does not start, a build without a feature asked of it)
     ├── RPCError                   an RPC server could not be started or reached
     ├── StudyError                 the tune loop cannot go on (e.g. no candidate fits)
     ├── QualityError               quality cannot be measured (no corpus, a corpus too short, ...)
@@ -79,6 +81,10 @@ class SettingsError(TunerError, ValueError):
 
 class RunnerError(TunerError):
     pass
+
+
+class EngineError(TunerError):
+    """An engine cannot be used: the message names the binaries or library and what to do."""
 
 
 class RPCError(TunerError):

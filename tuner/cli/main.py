@@ -75,6 +75,17 @@ def _emit(as_json: bool, data: Any, text: Callable[[], str]) -> None:
         click.echo(text())
 
 
+def engine_options(fn: Callable) -> Callable:
+    """--engine and --llama-bin: which llama.cpp runs the trials (shared by tune, bench and probe)."""
+    fn = click.option("--llama-bin", "llama_bin", type=click.Path(), default=None,
+                      help="Folder of your llama.cpp binaries (llama-bench, llama-server...); implies --engine llama-cpp. "
+                           "Default: llama-bench on PATH.")(fn)
+    fn = click.option("--engine", "engine", type=click.Choice(["python", "llama-cpp"]), default=None,
+                      help="python: llama.cpp inside llama-cpp-python (default); llama-cpp: your own llama.cpp binaries, "
+                           "the build you deploy.")(fn)
+    return fn
+
+
 # -- inspect / estimate / probe --------------------------------------------------------------
 
 
@@ -190,11 +201,16 @@ def _floats(value: str | None) -> tuple[float, ...] | None:
 @click.option("--free", "free_mib", default=None, help="Free MiB per device (comma list; older form of --device).")
 @click.option("--margin", "margin_mib", type=click.IntRange(min=0), default=512, show_default=True,
               help="MiB kept free on each device when sizing for a machine.")
+@click.option("--compare-fit", is_flag=True,
+              help="Print llama.cpp's own projection per device (llama-fit-params --fit-print) next to this estimate.")
+@click.option("--llama-bin", "llama_bin", type=click.Path(), default=None,
+              help="With --compare-fit: the folder of your llama.cpp binaries (default: llama-bench on PATH).")
+@click.option("--rpc", "rpc", default=None, help="With --compare-fit: RPC servers host:port,... used as devices.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @settings_options(defaults={"n_gpu_layers": None}, skip=("rpc_servers",))
 def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_specs: tuple[str, ...], ram: str | None,
                  machine_file: str | None, table: bool, devices: str | None, free_mib: str | None, margin_mib: int,
-                 as_json: bool, **opts: Any) -> None:
+                 compare_fit: bool, llama_bin: str | None, rpc: str | None, as_json: bool, **opts: Any) -> None:
     """Memory per device (weights, KV cache, compute) before loading anything; what fits on a machine.
 
     Takes bench's settings options (the same names as llama.cpp's); -ngl -1 is every layer.
@@ -211,6 +227,7 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
       offload-tuner estimate model.gguf --device CUDA0=24GiB --ram 64GiB --ctx 32768
       offload-tuner estimate hf://OWNER/REPO/model-Q4_K_M.gguf --machine colleague-probe.json --table
       offload-tuner estimate model.gguf --free 8000 --ctx 8192      # older form: most layers in 8000 MiB
+      offload-tuner estimate model.gguf -ngl 20 --ctx 8192 --compare-fit --llama-bin ~/llama.cpp/build/bin
     """
     from ..machine import whatif
     from ..model.estimate import estimate, format_estimate
@@ -239,6 +256,12 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
     if no_flash_attn:
         opts["flash_attn"] = "off"
     settings = settings_from_options(model, {**opts, "n_gpu_layers": n_gpu_layers if n_gpu_layers is not None else 0})
+    if compare_fit:
+        if n_gpu_layers is None:
+            raise click.UsageError("--compare-fit needs --n-gpu-layers (the placement to compare)")
+        _compare_fit(info, settings.replace(rpc_servers=tuple(x for x in (rpc or "").split(",") if x)), devices,
+                     llama_bin, as_json)
+        return
     margin = margin_mib * MiB
     for name in ("type_k", "type_v"):
         if getattr(settings, name) not in info.kv_bytes_per_token:
@@ -292,24 +315,79 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
     _emit(as_json, data, lambda: "\n".join(lines))
 
 
+def _compare_fit(info: Any, settings: Any, devices: str | None, llama_bin: str | None, as_json: bool) -> None:
+    """Our arithmetic next to llama.cpp's own projection (llama-fit-params --fit-print), per device."""
+    from ..engine.llamacpp import LlamaCppEngine
+    from ..model.estimate import CPU, estimate
+
+    servers = settings.rpc_servers
+    with LlamaCppEngine(llama_bin) as engine:
+        if engine.binaries.get("llama-fit-params") is None:
+            raise click.ClickException(f"--compare-fit needs llama-fit-params (llama.cpp 2025-12 or newer), and "
+                                       f"{engine.binaries.folder} has none")
+        names = [d for d in devices.split(",") if d] if devices else [d.name for d in engine.devices(servers) if d.is_accelerator]
+        ours = estimate(info, settings, devices=names)
+        fit = engine.fit_memory(settings)
+        build = engine.build().describe()
+    if fit is None:
+        raise click.ClickException("llama-fit-params could not project this placement (run it with --fit-print on to see why)")
+    rows = []
+    for device in list(dict.fromkeys([*ours.devices, *fit])):
+        mine = ours.devices.get(device)
+        theirs = fit.get(device)
+        rows.append({
+            "device": device,
+            "ours": mine.to_dict() if mine else None,
+            "llama_cpp": None if theirs is None else {**theirs, "total": sum(theirs.values())},
+        })
+    data = {"settings": settings.to_dict(), "llama_cpp_build": build, "devices": rows,
+            "note": "llama.cpp prints whole MiB; its 'context' is the KV cache and the context's other buffers"}
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    mib = lambda b: f"{b / MiB:9.1f}"  # noqa: E731
+    s = settings
+    lines = [f"{Path(s.model_path).name}: ngl={s.n_gpu_layers} ctx={s.n_ctx} kv={s.type_k}/{s.type_v} ub={s.n_ubatch} fa={s.flash_attn}",
+             f"llama.cpp's projection from llama-fit-params ({build}), in MiB:",
+             f"{'device':<28}{'ours: weights':>14}{'kv':>10}{'compute':>10}{'total':>10}   "
+             f"{'llama.cpp: model':>17}{'context':>10}{'compute':>10}{'total':>10}{'diff':>9}"]
+    for row in rows:
+        o, t = row["ours"], row["llama_cpp"]
+        left = f"{mib(o['weights']):>14}{mib(o['kv']):>10}{mib(o['compute']):>10}{mib(o['total']):>10}" if o else f"{'-':>44}"
+        right = (f"{mib(t['weights']):>17}{mib(t['context']):>10}{mib(t['compute']):>10}{mib(t['total']):>10}" if t else f"{'-':>47}")
+        diff = f"{(o['total'] - t['total']) / t['total'] * 100:+8.1f}%" if o and t and t["total"] else ""
+        label = "CPU (host)" if row["device"] == CPU else row["device"]
+        lines.append(f"{label:<28}{left}   {right}{diff}")
+    lines.append("(llama.cpp rounds down to whole MiB; our host weights include what mmap maps from the file)")
+    click.echo("\n".join(lines))
+
+
 @cli.command("probe")
 @click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... to list with their memory.")
+@engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def probe_cmd(rpc: str | None, as_json: bool) -> None:
-    """This machine: CPU, RAM, GPUs and who holds their memory, and the llama.cpp build.
+def probe_cmd(rpc: str | None, engine: str | None, llama_bin: str | None, as_json: bool) -> None:
+    """This machine: CPU, RAM, the devices llama.cpp sees, GPUs and who holds their memory, and the
+    llama.cpp engines found with their builds.
 
     \b
-    Example:
+    Examples:
       offload-tuner probe --json
+      offload-tuner probe --llama-bin ~/llama.cpp/build/bin     # devices as your binaries see them
     """
+    from ..engine.select import engine_name, engines_found, open_engine
     from ..machine.probe import probe
 
     servers = tuple(s for s in (rpc or "").split(",") if s)
-    machine = probe(rpc_servers=servers)
-    _emit(as_json, machine.to_dict(), lambda: format_machine(machine))
+    name = engine_name(engine, llama_bin)
+    with open_engine(name, llama_bin=llama_bin) as chosen:
+        machine = probe(rpc_servers=servers, engine=chosen)
+    found = engines_found(llama_bin)
+    data = {**machine.to_dict(), "engines": found}
+    _emit(as_json, data, lambda: format_machine(machine, found))
 
 
-def format_machine(m: Any) -> str:
+def format_machine(m: Any, engines: list[dict] | None = None) -> str:
     lines = [
         f"CPU: {m.cpu_model} ({m.physical_cores} physical / {m.logical_cores} logical cores)",
         f"RAM: {m.ram_total / MiB / 1024:.1f} GiB total, {m.ram_available / MiB / 1024:.1f} GiB available",
@@ -320,21 +398,43 @@ def format_machine(m: Any) -> str:
         for p in g.processes:
             used = f"{p.used_memory / MiB:.0f} MiB" if p.used_memory else "? MiB"
             lines.append(f"      held by pid {p.pid} ({p.name}): {used}")
+    if m.engine:
+        lines.append(f"Devices as llama.cpp sees them ({m.engine.get('engine')} engine):")
+        from ..engine.devices import DeviceInfo
+
+        listed = [DeviceInfo.from_dict(d) for d in m.devices if d.get("type") != "cpu"]
+        for d in listed:
+            lines.append(f"  {d.describe()}" + ("" if d.is_accelerator else " (no memory of its own: not an offload target)"))
+        if not listed:
+            lines.append("  none besides the CPU: every layer runs on the CPU")
     for d in m.rpc_devices:
         if d.get("error"):
             lines.append(f"  RPC {d['endpoint']}: {d['error']}")
-        else:
+        elif not m.engine:
             lines.append(f"  RPC {d['endpoint']}: {d.get('name', '')} {d.get('memory_free', 0) / MiB:.0f} / "
                          f"{d.get('memory_total', 0) / MiB:.0f} MiB free")
     lines.append(f"Unified memory: {'yes' if m.unified_memory else 'no'}")
     b = m.llama
     if b.error:
         lines.append(f"llama.cpp: {b.error}")
+    elif b.llama_cpp_python is None and b.llama_cpp_build:
+        lines.append(f"llama.cpp: your binaries, build {b.llama_cpp_build}, backends {', '.join(b.backends) or 'cpu'}, "
+                     f"GPU offload {'yes' if b.gpu_offload else 'no'}, RPC {'yes' if b.rpc else 'no'}")
     else:
         lines.append(
             f"llama.cpp: llama-cpp-python {b.llama_cpp_python}, build {b.llama_cpp_build or 'not exposed'}, "
             f"backends {', '.join(b.backends) or 'cpu'}, GPU offload {'yes' if b.gpu_offload else 'no'}, RPC {'yes' if b.rpc else 'no'}"
         )
+    if engines:
+        lines.append("Engines:")
+        for e in engines:
+            if e.get("error"):
+                lines.append(f"  {e['name']}: not available: {e['error']}")
+            else:
+                where = f" at {e['path']}" if e.get("path") else ""
+                extra = f", {e['detail']}" if e.get("detail") else ""
+                tools = f"; tools: {', '.join(sorted(e['tools']))}" if e.get("tools") else ""
+                lines.append(f"  {e['name']}: llama.cpp {e['build']}{where}{extra}{tools}")
     return "\n".join(lines)
 
 
@@ -351,18 +451,24 @@ def format_machine(m: Any) -> str:
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Kill the trial after this many seconds.")
 @click.option("--memory-limit", "memory_limit_mib", type=int, default=None, help="Address-space cap for the worker, MiB.")
 @click.option("--log", "log_path", type=click.Path(), default=None, help="Also write llama.cpp's full log here.")
+@engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: int, timeout_s: float,
-              memory_limit_mib: int | None, log_path: str | None, as_json: bool, **opts: Any) -> None:
-    """Run one trial: load MODEL in an isolated llama.cpp worker, measure pp and tg.
+              memory_limit_mib: int | None, log_path: str | None, engine: str | None, llama_bin: str | None,
+              as_json: bool, **opts: Any) -> None:
+    """Run one trial: load MODEL in an isolated llama.cpp process, measure pp and tg.
+
+    With --engine llama-cpp (or --llama-bin DIR) the trial is your own llama-bench, and its JSON
+    samples and log are read the same way.
 
     \b
-    Example:
+    Examples:
       offload-tuner bench model.gguf -ngl 20 -c 8192 -fa on -p 512 -n 128 -r 5
+      offload-tuner bench model.gguf -ngl 99 --llama-bin ~/llama.cpp/build/bin
     """
     from ..model.inspect import check_model_file
     from ..engine.base import BenchSpec
-    from ..engine.python import run_trial
+    from ..engine.select import open_engine
 
     check_model_file(model)  # a bad file (a truncated one too) is a clear error here, not a trial outcome
     settings = settings_from_options(model, opts)
@@ -377,13 +483,32 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
     if repetitions < 1:
         raise click.BadParameter("at least 1", param_hint="--repetitions")
     bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
-    result = run_trial(settings, bench, timeout_s=timeout_s,
-                       memory_limit=memory_limit_mib * MiB if memory_limit_mib else None)
+    with open_engine(engine, llama_bin=llama_bin, timeout_s=timeout_s,
+                     memory_limit=memory_limit_mib * MiB if memory_limit_mib else None) as runner:
+        result = runner.run(settings, bench)
+        note = _context_note(runner, settings, bench) if runner.name == "llama-cpp" else None
     if log_path:
         Path(log_path).write_text(result.log, encoding="utf-8")
-    _emit(as_json, result.to_dict(), lambda: format_result(result))
+    data = result.to_dict()
+    if note is not None:
+        data["context_note"] = note
+    _emit(as_json, data, lambda: format_result(result) + (f"\nnote: {note}" if note else ""))
     if not result.ok:
         sys.exit(1)
+
+
+def _context_note(engine: Any, settings: Any, bench: Any) -> str:
+    """llama-bench sizes its context from -p/-n/-d, not -c: say so, with llama.cpp's own projection at -c."""
+    used = bench.depth + bench.n_prompt + bench.n_gen
+    text = f"llama-bench sizes its context from -p/-n/-d ({used} tokens here), not -c {settings.n_ctx}"
+    try:
+        projected = engine.fit_memory(settings)
+    except TunerError:
+        projected = None
+    if projected:
+        per_device = ", ".join(f"{d} {sum(m.values()) / MiB:.0f} MiB" for d, m in projected.items())
+        text += f"; llama.cpp projects at -c {settings.n_ctx}: {per_device}"
+    return text
 
 
 def format_result(r: Any) -> str:
@@ -492,8 +617,13 @@ class _Progress:
             out(f"      skipped an invalid combination: {e['reason']}")
         elif kind == "pruned":
             out(f"      skipped {_summary(e['settings'])}: {e['reason']}")
+        elif kind == "fit_seed":
+            if e.get("settings"):
+                out(f"llama.cpp's fitter proposes: {e['message']} (queued as a candidate)")
+            else:
+                out(e["message"])
         elif kind == "remeasure":
-            how = "side by side in one worker" if e.get("paired") else "in alternating rounds"
+            how = "side by side, in rotating rounds" if e.get("paired") else "in alternating rounds"
             out(f"re-measuring the {len(e['candidates'])} leading candidates {how} ({e['rounds']} rounds, "
                 f"{e['repetitions']} repetitions each)")
         elif kind == "paired_failed":
@@ -545,6 +675,7 @@ class _Progress:
 @click.option("--imatrix", type=click.Path(), default=None, help="Importance matrix for --quantize.")
 @click.option("--allow-requantize", is_flag=True, help="Let --quantize start from an already-quantized MODEL.")
 @click.option("--no-quality", is_flag=True, help="Skip measuring the variants' quality (speed only) when no budget or target needs it.")
+@engine_options
 @click.option("--quiet", "-q", is_flag=True, help="No progress; print only the profile path (and the report's, with --report).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (no progress).")
 @click.option("--report", "report_path", is_flag=False, flag_value="", default=None, metavar="[FILE.html]",
@@ -555,7 +686,8 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
              no_wait: bool, seed: int, max_kl: float | None, max_ppl_increase: float | None, min_tg: float | None,
              min_pp: float | None, reference: str | None, corpus: str | None, chunks: int, quality_ctx: int,
              quantize_types: str | None,
-             imatrix: str | None, allow_requantize: bool, no_quality: bool, quiet: bool, as_json: bool,
+             imatrix: str | None, allow_requantize: bool, no_quality: bool, engine: str | None,
+             llama_bin: str | None, quiet: bool, as_json: bool,
              report_path: str | None) -> None:
     """Find the fastest settings for MODEL on this machine and save them as a profile.
 
@@ -573,7 +705,9 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
       offload-tuner tune model-F16.gguf --quantize Q4_K_M,Q6_K,Q8_0 --max-kl 0.05
       offload-tuner tune model-F16.gguf --quantize Q4_K_M,Q6_K,Q8_0 --min-tg 30
       offload-tuner tune model.gguf --storage postgresql://tuner@db.example/tuning --no-wait
+      offload-tuner tune model.gguf --engine llama-cpp --llama-bin ~/llama.cpp/build/bin
     """
+    from ..engine.select import open_engine
     from ..search.study import tune
 
     if report_path and report_path.lower().endswith(".gguf"):
@@ -604,14 +738,16 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     if vram_margin < 0:
         raise SettingsError("--vram-margin", f"expected MiB >= 0, got {vram_margin}")
     try:
-        result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
-                      min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
-                      vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
-                      rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
-                      on_event=_Progress(quiet or as_json), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
-                      min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,
-                      quality_ctx=quality_ctx, quantize=quantize_types or (), imatrix=imatrix,
-                      allow_requantize=allow_requantize, measure_quality=not no_quality, wait=not no_wait)
+        with open_engine(engine, llama_bin=llama_bin, timeout_s=trial_timeout) as runner:
+            result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
+                          min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
+                          vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
+                          rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
+                          on_event=_Progress(quiet or as_json), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+                          min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,
+                          quality_ctx=quality_ctx, quantize=quantize_types or (), imatrix=imatrix,
+                          allow_requantize=allow_requantize, measure_quality=not no_quality, wait=not no_wait,
+                          engine=runner)
     except SettingsError as exc:
         # the API names its arguments (time_budget); the command line names its options
         option = {"time_budget": "--time-budget", "trial_timeout": "--trial-timeout", "min_ctx": "--min-ctx",
@@ -654,6 +790,9 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
         click.echo(f"profile: {result.profile_path}")
     if report is not None:
         click.echo(f"report: {report}")
+    if result.profile is not None and result.profile.engine is not None:
+        click.echo(f"measured with: {result.profile.engine.name} engine, llama.cpp {result.profile.engine.build}"
+                   + (f" ({result.profile.engine.path})" if result.profile.engine.name == "llama-cpp" else ""))
     from ..engine.settings import Settings
 
     click.echo(f"llama-server flags: {Settings.from_dict(best['settings']).command_line('llama-server')}")
@@ -661,6 +800,12 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
         click.echo(format_target(result.target, result.best))
     if result.trade:
         click.echo(format_trade(result.trade, result.quality))
+    check = result.flags_check
+    if check is not None:
+        if check["accepted"]:
+            click.echo(f"  (accepted by your binaries' own parser: {Path(check['parser']).name})")
+        else:
+            click.echo(f"warning: your binaries' parser ({check['parser']}) rejects these flags: {check['error']}", err=True)
     if result.interrupted:
         click.echo("interrupted: run the same command again to resume the study", err=True)
     _tune_exit(result)

@@ -199,8 +199,13 @@ def show_command(profile: str, as_json: bool) -> None:
     help="The tool to write the settings for.",
 )  # fmt: skip
 @click.option("--model", "model_path", type=click.Path(dir_okay=False), help="The model file on this machine (default: the path recorded when tuning).")
-def args_command(profile: str, fmt: str, model_path: str | None) -> None:
+@click.option("--llama-bin", "llama_bin", type=click.Path(file_okay=False), default=None,
+              help="Check the flags with the llama.cpp binaries in this folder (default: the tool on PATH, if any).")
+def args_command(profile: str, fmt: str, model_path: str | None, llama_bin: str | None) -> None:
     """Print a profile as a command line, an ollama Modelfile, or LLAMA_ARG_* variables.
+
+    When the llama.cpp tool is installed (on PATH, or in --llama-bin), its own argument parser
+    checks the flags first; a flag it does not know is a warning on stderr (an older build).
 
     Examples:
 
@@ -212,9 +217,33 @@ def args_command(profile: str, fmt: str, model_path: str | None) -> None:
     """
     p = _resolve(profile)
     try:
-        click.echo(export_args(p, fmt, model_path=model_path), nl=False)
+        text = export_args(p, fmt, model_path=model_path)
     except TunerError as exc:
         raise click.ClickException(str(exc)) from None
+    _check_with_binaries(p, fmt, model_path, llama_bin)
+    click.echo(text, nl=False)
+
+
+def _check_with_binaries(p: Profile, fmt: str, model_path: str | None, llama_bin: str | None) -> None:
+    """The exported flags through the installed llama.cpp's own parser, where there is one."""
+    from ..engine.llamacpp import check_exported_flags
+    from ..profile.exports import tool_args
+
+    tool = "llama-server" if fmt == "env" else fmt
+    if tool not in ("llama-server", "llama-cli", "llama-bench"):
+        return  # an ollama Modelfile is read by ollama, not by llama.cpp's parser
+    if llama_bin is not None and not Path(llama_bin).is_dir():
+        raise click.ClickException(f"--llama-bin {llama_bin}: no such folder")
+    answer = check_exported_flags(tool, tool_args(p, tool, model_path=model_path), llama_bin)
+    if answer is None:
+        if llama_bin is not None:
+            click.echo(f"warning: {llama_bin} has no {tool} (nor another llama.cpp tool that parses its flags): "
+                       "the flags were not checked", err=True)
+        return
+    binary, error = answer
+    if error is not None:
+        click.echo(f"warning: {binary} does not accept these flags: {error} (an older llama.cpp? upgrade it, "
+                   "or drop that setting)", err=True)
 
 
 @profile_group.command("check")

@@ -1,15 +1,32 @@
-"""What every engine speaks: what a trial measures (``BenchSpec``), what it found (``TrialResult``,
-``Stats``). Light: the search and the profile read these without starting any llama.cpp.
+"""What every engine speaks: the ``Engine`` interface, what a trial measures (``BenchSpec``), what it
+found (``TrialResult``, ``Stats``), and what llama.cpp build ran it (``EngineBuild``). Light: the search
+and the profile read these without starting any llama.cpp.
+
+An engine runs llama.cpp for the tuner::
+
+    with open_engine("llama-cpp", llama_bin="/opt/llama.cpp/bin") as engine:   # tuner.engine.select
+        engine.build()                      # EngineBuild: version, commit, backends, where
+        engine.devices()                    # [DeviceInfo]: CUDA0, Vulkan0, MTL0, RPC0[host:port]...
+        result = engine.run(settings, BenchSpec(n_prompt=512, n_gen=128))
+        result.outcome, result.tg.median, result.load.layers_offloaded   # the load log, parsed
+        engine.run_paired([a, b, c], bench, rounds=3)   # side by side, for a fair comparison
+
+Implementations: ``python`` (llama-cpp-python in an isolated worker, ``tuner.engine.python``),
+``llama-cpp`` (the user's own llama.cpp binaries, ``tuner.engine.llamacpp``) and the scripted fake
+(``tuner.engine.fake``, for tests of the search logic only). One contract suite
+(``tests/test_engines.py``) runs against all three.
 """
 
 from __future__ import annotations
 
+import abc
 import math
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..model.estimate import CPU
+from .devices import DeviceInfo
 from .logparse import LoadReport, parse_log
 from .outcome import Outcome
 from .settings import Settings
@@ -142,4 +159,108 @@ class TrialResult:
         return out
 
 
-__all__ = ["BenchSpec", "Stats", "TrialResult", "median_interval"]
+@dataclass(frozen=True)
+class EngineBuild:
+    """The llama.cpp an engine runs, as that llama.cpp reports itself.
+
+    llama.cpp identifies a build by its build number and commit (``version: 6895 (4341dc8bc)`` until
+    2026, ``version: 0.5.0-dev (build 1, commit 0c1e570)`` since; llama-bench's ``build_number`` and
+    ``build_commit``; ``LLAMA_BUILD_NUMBER`` and ``LLAMA_COMMIT`` in libllama-common)."""
+
+    engine: str  # "python", "llama-cpp" or "fake"
+    build_number: int | None = None
+    commit: str | None = None
+    version: str | None = None  # llama_version() where the build has one, e.g. "0.5.0-dev"
+    backends: tuple[str, ...] = ()  # CPU, CUDA, Metal, Vulkan, RPC ...
+    path: str | None = None  # the binaries' folder, or llama-cpp-python's package folder
+    detail: str | None = None  # "llama-cpp-python 0.3.36", "built with GNU 12.2.0 for Linux x86_64"
+    error: str | None = None  # why the build could not be read
+
+    def describe(self) -> str:
+        """``'b6895 (4341dc8bc)'`` (with the version in front where there is one): the build string
+        profiles record."""
+        parts = []
+        if self.version:
+            parts.append(self.version)
+        if self.build_number is not None:
+            parts.append(f"b{self.build_number}")
+        if self.commit:
+            parts.append(f"({self.commit})")
+        return " ".join(parts) or "unknown build"
+
+    def same_build(self, other: "EngineBuild") -> bool | None:
+        """Whether two engines run the same llama.cpp (by commit, else build number); None: unknown."""
+        if self.commit and other.commit:
+            return self.commit.startswith(other.commit) or other.commit.startswith(self.commit)
+        if self.build_number is not None and other.build_number is not None:
+            return self.build_number == other.build_number
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["backends"] = list(self.backends)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineBuild":
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        known["backends"] = tuple(known.get("backends", ()))
+        return cls(**known)
+
+
+class Engine(abc.ABC):
+    """Runs llama.cpp for the tuner: one trial at a time, or candidates side by side.
+
+    A trial never raises for what llama.cpp did: out of memory, a crash, a timeout or a refusal is a
+    ``TrialResult`` whose ``outcome`` says which (decided by ``tuner.engine.outcome.classify``).
+    Engines are context managers; ``close()`` stops every process they started.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def build(self) -> EngineBuild:
+        """The llama.cpp build this engine runs."""
+
+    @abc.abstractmethod
+    def devices(self, rpc_servers: Sequence[str] = ()) -> list[DeviceInfo]:
+        """Every device this llama.cpp sees (the CPU included), with ``rpc_servers`` registered."""
+
+    @abc.abstractmethod
+    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
+        """Load the model with ``settings``, measure pp and tg with ``bench``; the load log parsed."""
+
+    @abc.abstractmethod
+    def run_paired(self, candidates: list[Settings], bench: BenchSpec = BenchSpec(), *, rounds: int = 5) -> list[TrialResult]:
+        """Measure ``candidates`` side by side in rotating rounds (one result each, in order)."""
+
+    def fit(self, settings: Settings, *, margin: int, min_ctx: int) -> "FitAnswer | None":
+        """llama.cpp's own fitter's choice for ``settings`` (layers, split, tensor placement), where
+        the engine has one; None where it has not."""
+        return None
+
+    def fit_memory(self, settings: Settings) -> dict[str, dict[str, int]] | None:
+        """llama.cpp's own projection of memory per device for ``settings`` (without allocating),
+        ``{device: {weights, kv, compute}}`` in bytes, where the engine can ask for it."""
+        return None
+
+    def close(self) -> None:
+        """Stop every process this engine started."""
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class FitAnswer:
+    """What llama.cpp's fitter chose, as settings, and the words it printed."""
+
+    settings: Settings
+    args: str  # the arguments it printed, e.g. "-c 4096 -ngl 48 -ot ..."
+    tool: str  # the binary that answered
+
+
+__all__ = ["BenchSpec", "Stats", "TrialResult", "median_interval", "Engine", "EngineBuild", "FitAnswer", "DeviceInfo"]

@@ -11,13 +11,14 @@ runner's own tests use the real llama.cpp.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from ..model.estimate import CPU, estimate
 from .logparse import LoadReport
 from ..model.inspect import ModelInfo
 from .outcome import Outcome
-from .base import BenchSpec, Stats, TrialResult
+from .base import BenchSpec, Engine, EngineBuild, Stats, TrialResult
+from .devices import DeviceInfo, rpc_label
 from .dimensions import offloaded_layers
 from .settings import Settings
 
@@ -30,7 +31,12 @@ def default_speed(settings: Settings) -> tuple[float, float]:
     return pp, tg
 
 
-class ScriptedRunner:
+class ScriptedRunner(Engine):
+    """The scripted engine (``fake``)."""
+
+    name = "fake"
+    loads_candidates_together = False
+
     def __init__(
         self,
         models: Mapping[str, ModelInfo],
@@ -42,7 +48,7 @@ class ScriptedRunner:
         interrupt_after: int | None = None,
     ) -> None:
         self.models = dict(models)
-        self.devices = devices
+        self.devices_named = tuple(devices)
         self.capacity = dict(capacity or {})
         self.speed = speed
         self.fail = fail
@@ -58,12 +64,59 @@ class ScriptedRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def build(self) -> EngineBuild:
+        return EngineBuild(engine=self.name, build_number=0, commit="scripted", backends=("CPU",), detail="no llama.cpp")
+
+    def devices(self, rpc_servers: Sequence[str] = ()) -> list[DeviceInfo]:
+        """The CPU, the scripted devices (with their capacity as memory), and an RPC device per server."""
+        out = [DeviceInfo("CPU", "scripted CPU", "cpu", 16 << 30, 16 << 30, "CPU")]
+        for name in self.devices_named:
+            if not name.startswith("RPC"):
+                memory = self.capacity.get(name, 8 << 30)
+                out.append(DeviceInfo(name, "scripted device", "gpu", memory, memory, "scripted"))
+        for endpoint in rpc_servers:
+            label = rpc_label(0, endpoint)
+            memory = self.capacity.get(label, 8 << 30)
+            out.append(DeviceInfo(label, endpoint, "gpu", memory, memory, "RPC", ggml_name="RPC0", rpc_endpoint=endpoint))
+        return out
+
+    def run_paired(self, candidates: list[Settings], bench: BenchSpec = BenchSpec(), *, rounds: int = 5) -> list[TrialResult]:
+        """Rounds of one run per candidate (in the same order each round), samples merged."""
+        merged: list[list[TrialResult]] = [[] for _ in candidates]
+        for _ in range(max(1, rounds)):
+            for i, s in enumerate(candidates):
+                result = self.run(s, bench)
+                if not result.ok:
+                    return [TrialResult(result.outcome, result.message, c, bench, load=result.load) for c in candidates]
+                merged[i].append(result)
+        out = []
+        for runs, s in zip(merged, candidates):
+            pp = [x for r in runs if r.pp for x in r.pp.samples]
+            tg = [x for r in runs if r.tg for x in r.tg.samples]
+            out.append(TrialResult(Outcome.OK, "ok", s, bench, pp=Stats.of(pp), tg=Stats.of(tg), load=runs[-1].load,
+                                   peak_rss=runs[-1].peak_rss))
+        return out
+
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: object = None) -> TrialResult:
         if self.interrupt_after is not None and len(self.launched) >= self.interrupt_after:
             raise KeyboardInterrupt
+        from pathlib import Path
+
+        from .outcome import classify
+
+        # the same checks before launch as the real engines
+        rejected = None
+        if settings.model_path not in self.models and not Path(settings.model_path).is_file():
+            rejected = f"model file not found: {settings.model_path}"
+        elif settings.n_ctx and bench.depth + max(bench.n_prompt, bench.n_gen) > settings.n_ctx:
+            rejected = (f"n_ctx {settings.n_ctx} is smaller than depth {bench.depth} + "
+                        f"{max(bench.n_prompt, bench.n_gen)} test tokens")
+        if rejected:
+            c = classify(rejected=rejected)
+            return TrialResult(c.outcome, c.message, settings, bench)
         self.launched.append(settings)
         info = self.models[settings.model_path]
-        est = estimate(info, settings, devices=list(self.devices))
+        est = estimate(info, settings, devices=list(self.devices_named))
         report = dict(layers_offloaded=est.layers_offloaded, layers_total=info.n_layer + 1,
                       model_buffers={d: m.weights for d, m in est.devices.items() if m.weights},
                       kv_buffers={d: m.kv for d, m in est.devices.items() if m.kv},

@@ -95,7 +95,14 @@ class OverrideArray:
 
 
 def list_devices() -> list[dict]:
-    """Every device llama.cpp's registry holds now: name, description, type, memory."""
+    """Every device llama.cpp's registry holds now: name, description, type, memory, backend.
+
+    ggml's own type is kept (``igpu`` for an integrated GPU: ``GGML_BACKEND_DEVICE_TYPE_IGPU``); an
+    RPC device's ``name`` is the label its buffers carry (``RPC0[host:port]``), its ggml name in
+    ``ggml_name``. ``tuner.engine.devices.DeviceInfo.from_dict`` reads each entry.
+    """
+    from .devices import backend_of, rpc_label
+
     ggml = load("ggml")
     base = load("ggml-base")
     ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
@@ -108,20 +115,39 @@ def list_devices() -> list[dict]:
     base.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     base.ggml_backend_dev_memory.restype = None
     base.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    base.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    base.ggml_backend_reg_name.restype = ctypes.c_char_p
+    base.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
     out = []
+    per_endpoint: dict[str, int] = {}
     for i in range(ggml.ggml_backend_dev_count()):
         dev = ggml.ggml_backend_dev_get(i)
         free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
         base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
-        out.append(
-            {
-                "name": (base.ggml_backend_dev_name(dev) or b"").decode(errors="replace"),
-                "description": (base.ggml_backend_dev_description(dev) or b"").decode(errors="replace"),
-                "type": ["cpu", "gpu", "igpu", "accel", "meta"][base.ggml_backend_dev_type(dev)]
-                if 0 <= base.ggml_backend_dev_type(dev) < 5
-                else str(base.ggml_backend_dev_type(dev)),
-                "memory_free": int(free.value),
-                "memory_total": int(total.value),
-            }
-        )
+        name = (base.ggml_backend_dev_name(dev) or b"").decode(errors="replace")
+        description = (base.ggml_backend_dev_description(dev) or b"").decode(errors="replace")
+        kind = base.ggml_backend_dev_type(dev)
+        reg = base.ggml_backend_dev_backend_reg(dev)
+        reg_name = (base.ggml_backend_reg_name(reg) or b"").decode(errors="replace") if reg else ""
+        entry = {
+            "name": name,
+            "description": description,
+            # enum ggml_backend_dev_type (ggml-backend.h, 2025-2026): CPU, GPU, IGPU, ACCEL, META
+            "type": ["cpu", "gpu", "igpu", "accel", "accel"][kind] if 0 <= kind < 5 else str(kind),
+            "memory_free": int(free.value),
+            "memory_total": int(total.value),
+            "backend": backend_of(name) if not reg_name.startswith("RPC") else "RPC",
+            "unified_memory": kind == 2 or backend_of(name) == "Metal",
+            "ggml_name": "",
+            "rpc_endpoint": None,
+        }
+        if entry["backend"] == "RPC":
+            # ggml-rpc: device name "RPC<n>" numbered across servers, description the endpoint;
+            # buffers are labelled by the device's index within its server.
+            endpoint = description
+            index = per_endpoint.get(endpoint, 0)
+            per_endpoint[endpoint] = index + 1
+            entry.update(name=rpc_label(index, endpoint), ggml_name=name, rpc_endpoint=endpoint, unified_memory=False)
+        out.append(entry)
     return out

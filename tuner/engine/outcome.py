@@ -56,8 +56,10 @@ def classify(
     returncode: int | None = None,
     oom_in_log: bool = False,
     error_lines: tuple[str, ...] = (),
+    process: str = "worker",
 ) -> Classification:
-    """Decide a trial's outcome from everything the runner saw."""
+    """Decide a trial's outcome from everything the runner saw. ``process`` names what ran the trial
+    in the messages (the python engine's worker, or llama-bench)."""
     if rejected is not None:
         return Classification(Outcome.BAD_SETTINGS, rejected)
     if timed_out:
@@ -77,7 +79,7 @@ def classify(
             "SIGABRT": " (llama.cpp aborted: an assert or a fatal error)",
         }.get(name, "")
         detail = f": {first_error}" if first_error else ""
-        return Classification(Outcome.CRASH, f"worker killed by {name}{hint}{detail}", signal_name=name)
+        return Classification(Outcome.CRASH, f"{process} killed by {name}{hint}{detail}", signal_name=name)
     if status in ("load_error", "context_error"):
         message = (reply or {}).get("message") or "llama.cpp refused the model or settings"
         if first_error and first_error not in message:
@@ -86,4 +88,4 @@ def classify(
     if status == "bad_settings":
         return Classification(Outcome.BAD_SETTINGS, (reply or {}).get("message", "rejected by the worker"))
     detail = (reply or {}).get("message") or first_error or "no reply"
-    return Classification(Outcome.CRASH, f"worker exited with code {returncode} without a result: {detail}")
+    return Classification(Outcome.CRASH, f"{process} exited with code {returncode} without a result: {detail}")

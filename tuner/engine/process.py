@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 # The worker's own lines in llama.cpp's log (trial and context boundaries) start with this.
 LOG_MARK = "offload-tuner:"
@@ -120,3 +121,55 @@ def _end_worker(reason: str) -> None:
     if hasattr(os, "killpg") and os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)  # it leads its group (start_new_session): all of it
     os._exit(124)
+
+
+class MemorySampler(threading.Thread):
+    """Samples a trial process's RSS (psutil) and, with NVML, its memory on each GPU.
+
+    Four times a second, not more: every wake-up of this process can preempt one of llama.cpp's
+    compute threads, and on a machine with as many threads as cores that stalls them all. The
+    exact host peak comes from the worker itself (VmHWM); this sampler is for GPU memory.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peak_rss = 0
+        self.peak_vram: dict[str, int] = {}
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        try:
+            proc = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        nvml = _nvml_handles()
+        while not self._halt.is_set():
+            try:
+                self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
+            except psutil.Error:
+                return
+            for name, (pynvml, handle) in nvml.items():
+                try:
+                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                        if p.pid == self.pid and p.usedGpuMemory:
+                            self.peak_vram[name] = max(self.peak_vram.get(name, 0), int(p.usedGpuMemory))
+                except Exception:
+                    pass
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=2)
+
+
+def _nvml_handles() -> dict[str, tuple[Any, Any]]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return {f"CUDA{i}": (pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())}
+    except Exception:
+        return {}

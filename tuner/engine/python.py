@@ -1,4 +1,4 @@
-"""Run one trial: an isolated llama.cpp worker process, its log, its timings, its outcome.
+"""The ``python`` engine: llama.cpp through llama-cpp-python, each trial in an isolated worker process.
 
     with TrialRunner(timeout_s=120) as runner:
         result = runner.run(settings, BenchSpec(n_prompt=512, n_gen=128))
@@ -19,16 +19,16 @@ import selectors
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .base import BenchSpec, Stats, TrialResult
+from .base import BenchSpec, Engine, EngineBuild, Stats, TrialResult
+from .devices import DeviceInfo
 from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
-from .process import ENV_PARENT_PID, LOG_MARK, WORKER_GRACE_S, kill_group, project_pythonpath
+from .process import ENV_PARENT_PID, LOG_MARK, WORKER_GRACE_S, MemorySampler, kill_group, project_pythonpath
 from .settings import Settings
 
 if TYPE_CHECKING:
@@ -37,62 +37,18 @@ if TYPE_CHECKING:
 CONTEXT_MARK = f"{LOG_MARK} context begins"
 
 
-class _Sampler(threading.Thread):
-    """Samples the worker's RSS (psutil) and, with NVML, its memory on each GPU.
+# The sampler lives with the other child-process helpers; both engines use it.
+_Sampler = MemorySampler
 
-    Four times a second, not more: every wake-up of this process can preempt one of llama.cpp's
-    compute threads, and on a machine with as many threads as cores that stalls them all. The
-    exact host peak comes from the worker itself (VmHWM); this sampler is for GPU memory.
+
+class TrialRunner(Engine):
+    """Runs trials in isolated worker processes, reusing a worker while the model stays the same.
+
+    The ``python`` engine (``PythonEngine`` is the same class): llama.cpp as llama-cpp-python built it.
     """
 
-    def __init__(self, pid: int, interval: float = 0.25) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval = pid, interval
-        self.peak_rss = 0
-        self.peak_vram: dict[str, int] = {}
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        import psutil
-
-        try:
-            proc = psutil.Process(self.pid)
-        except psutil.Error:
-            return
-        nvml = _nvml_handles()
-        while not self._halt.is_set():
-            try:
-                self.peak_rss = max(self.peak_rss, proc.memory_info().rss)
-            except psutil.Error:
-                return
-            for name, (pynvml, handle) in nvml.items():
-                try:
-                    for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                        if p.pid == self.pid and p.usedGpuMemory:
-                            self.peak_vram[name] = max(self.peak_vram.get(name, 0), int(p.usedGpuMemory))
-                except Exception:
-                    pass
-            self._halt.wait(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=2)
-
-
-def _nvml_handles() -> dict[str, tuple[Any, Any]]:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return {f"CUDA{i}": (pynvml, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())}
-    except Exception:
-        return {}
-
-
-
-
-class TrialRunner:
-    """Runs trials in isolated worker processes, reusing a worker while the model stays the same."""
+    name = "python"
+    loads_candidates_together = True  # run_paired loads every candidate in one worker
 
     def __init__(
         self,
@@ -117,6 +73,38 @@ class TrialRunner:
         self._model_key: Any = None
         self._model_log = ""
         self._count = 0
+        self._build: dict[str, Any] | None = None
+
+    # -- what this llama.cpp is -------------------------------------------------------------------
+
+    def _probe(self) -> dict[str, Any]:
+        if self._build is None:
+            self._build = read_build(self.python, env=self.env)
+        return self._build
+
+    def build(self) -> EngineBuild:
+        data = self._probe()
+        return EngineBuild(
+            engine=self.name, build_number=data.get("build_number"), commit=data.get("commit"),
+            version=data.get("version"), backends=tuple(data.get("backends", ())), path=data.get("path"),
+            detail=f"llama-cpp-python {data['llama_cpp_python']}" if data.get("llama_cpp_python") else None,
+            error=data.get("error"),
+        )
+
+    def devices(self, rpc_servers: Sequence[str] = ()) -> list[DeviceInfo]:
+        """llama.cpp's devices through ``ggml_backend_dev_*`` in a child process; each RPC server is
+        asked in a child of its own, so one that does not answer is named, not fatal."""
+        from ..errors import RPCError
+        from .rpc import query_devices
+
+        out = [DeviceInfo.from_dict(d) for d in self._probe().get("devices", [])]
+        for entry in query_devices(tuple(rpc_servers)) if rpc_servers else []:
+            if "error" in entry:
+                raise RPCError(f"RPC server {entry['endpoint']}: {entry['error']}; start it with `offload-tuner rpc-serve`")
+            out.append(DeviceInfo(name=entry["name"], description=entry.get("description", entry["endpoint"]), type="gpu",
+                                  memory_free=int(entry["memory_free"]), memory_total=int(entry["memory_total"]),
+                                  backend="RPC", ggml_name="RPC0", rpc_endpoint=entry["endpoint"]))
+        return out
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -398,4 +386,70 @@ def run_trial(settings: Settings, bench: BenchSpec = BenchSpec(), **runner_kwarg
         return runner.run(settings, bench)
 
 
-__all__ = ["TrialRunner", "run_trial"]
+PythonEngine = TrialRunner
+
+
+# What llama-cpp-python's llama.cpp is and which devices it sees, read in a child process (only
+# workers import llama_cpp in the tuner).
+_BUILD_SCRIPT = r"""
+import json, sys
+out = {}
+try:
+    import llama_cpp
+    import ctypes, os, glob, sysconfig
+    out["llama_cpp_python"] = getattr(llama_cpp, "__version__", None)
+    out["path"] = os.path.dirname(llama_cpp.__file__)
+    out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
+    out["rpc"] = bool(llama_cpp.llama_supports_rpc())
+    info = llama_cpp.llama_print_system_info()
+    out["system_info"] = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    backends = []
+    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    for path in sorted(glob.glob(os.path.join(libdir, "libggml-*.so*")) + glob.glob(os.path.join(libdir, "ggml-*.dll")) + glob.glob(os.path.join(libdir, "libggml-*.dylib"))):
+        name = os.path.basename(path).split(".")[0].replace("libggml-", "").replace("ggml-", "")
+        if name not in ("base",) and name not in backends:
+            backends.append(name)
+    out["backends"] = backends
+    # llama.cpp's own version (llama_version(), 2026) and, where llama.cpp's common library was
+    # installed beside it, the commit and build number it was compiled from.
+    try:
+        lib = ctypes.CDLL(os.path.join(libdir, "libllama.so"))
+        lib.llama_version.restype = ctypes.c_char_p
+        out["version"] = lib.llama_version().decode()
+    except (OSError, AttributeError):
+        pass
+    for common in (os.path.join(libdir, "libllama-common.so"), os.path.join(sysconfig.get_paths()["purelib"], "lib", "libllama-common.so")):
+        if os.path.exists(common):
+            try:
+                c = ctypes.CDLL(common)
+                out["commit"] = ctypes.c_char_p.in_dll(c, "LLAMA_COMMIT").value.decode()
+                out["build_number"] = ctypes.c_int.in_dll(c, "LLAMA_BUILD_NUMBER").value
+            except (OSError, ValueError, AttributeError):
+                pass
+            break
+    sys.path.insert(0, sys.argv[1])
+    from tuner.engine.ggml import list_devices
+    out["devices"] = list_devices()
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def read_build(python: str | None = None, timeout: float = 60.0, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """llama-cpp-python's llama.cpp, read in a child process: ``llama_cpp_python`` (version), ``version``,
+    ``build_number``, ``commit``, ``backends``, ``gpu_offload``, ``rpc``, ``system_info``, ``path``,
+    ``devices`` (``tuner.engine.ggml.list_devices``), or ``error`` saying why it could not be read."""
+    root = str(Path(__file__).resolve().parent.parent.parent)
+    try:
+        proc = subprocess.run([python or sys.executable, "-c", _BUILD_SCRIPT, root], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+        data = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        return {"error": f"could not read the llama.cpp build: {exc}"}
+    if not isinstance(data, dict):
+        return {"error": "could not read the llama.cpp build: unexpected output"}
+    return data
+
+
+__all__ = ["TrialRunner", "PythonEngine", "run_trial", "read_build"]

@@ -1,7 +1,12 @@
-"""What this machine has: CPU, RAM, GPUs (NVML), unified memory, and the llama.cpp build.
+"""What this machine has: CPU, RAM, the devices llama.cpp sees, GPUs (NVML), and the llama.cpp build.
 
 ``probe()`` reads the real machine. Everything above this layer takes a ``Machine`` as an
 argument, so tests inject one and never depend on the hardware they run on.
+
+Devices come from the engine that runs the trials (``tuner.engine``), with llama.cpp's own names,
+types and memory (``Machine.devices``: CUDA0, ROCm0, Vulkan0, MTL0, SYCL0, RPC0[host:port]); a Metal,
+ROCm, SYCL or Vulkan build is seen as it is. NVML only enriches NVIDIA devices: the processes holding
+their memory (``Machine.gpus``) and the index the trial runner samples peak memory by.
 
 No NVML or no GPU is not an error: ``Machine.gpu_status`` says so and why.
 """
@@ -18,6 +23,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from ..errors import TunerError
 
 GiB = 1 << 30
 
@@ -65,6 +72,16 @@ class Machine:
     arch: str = ""
     llama: LlamaBuild = field(default_factory=LlamaBuild)
     rpc_devices: tuple[dict, ...] = ()  # {"endpoint", "name", "memory_total", "memory_free"}
+    # llama.cpp's devices as the engine sees them (tuner.engine.devices.DeviceInfo.to_dict()), the
+    # CPU included; empty when no engine was asked (probe(llama=False)) or in an injected Machine.
+    devices: tuple[dict, ...] = ()
+    engine: dict | None = None  # the engine's EngineBuild.to_dict(), where one was asked
+
+    def accelerators(self) -> list[dict]:
+        """The devices llama.cpp can offload to (GPUs, integrated GPUs, RPC servers), as it names them."""
+        from ..engine.devices import DeviceInfo
+
+        return [d for d in self.devices if DeviceInfo.from_dict(d).is_accelerator]
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -75,7 +92,7 @@ class Machine:
             "physical_cores": self.physical_cores,
             "logical_cores": self.logical_cores,
             "ram_gib": round(self.ram_total / GiB),
-            "gpus": [[g.name, g.uuid, g.memory_total] for g in self.gpus],
+            "gpus": [[g.name, g.uuid, g.memory_total] for g in self.gpus] or self._local_accelerators(),
             "unified_memory": self.unified_memory,
         }
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
@@ -83,10 +100,16 @@ class Machine:
     def hardware_class(self) -> str:
         """Identity of the kind of machine: same GPU models and memory, wherever they are."""
         parts = {
-            "gpus": sorted([g.name, g.memory_total] for g in self.gpus),
+            "gpus": sorted([g.name, g.memory_total] for g in self.gpus) or sorted(self._local_accelerators()),
             "unified_memory": self.unified_memory,
         }
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _local_accelerators(self) -> list[list[Any]]:
+        # Without NVML (Apple silicon, AMD, Intel), the machine's GPUs are the ones llama.cpp lists;
+        # RPC servers are other machines, not this one. With NVML the identity stays NVML's, so an
+        # NVIDIA machine keeps its fingerprint whichever engine probed it.
+        return [[d.get("description", ""), d.get("memory_total")] for d in self.accelerators() if not d.get("rpc_endpoint")]
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -122,6 +145,8 @@ class Machine:
             arch=data.get("arch", ""),
             llama=llama,
             rpc_devices=tuple(data.get("rpc_devices", ())),
+            devices=tuple(data.get("devices", ())),
+            engine=data.get("engine"),
         )
 
 
@@ -232,73 +257,101 @@ def detect_unified_memory(gpus: tuple[GPU, ...] = ()) -> bool:
     return False
 
 
-_BUILD_SCRIPT = r"""
-import json, sys
-out = {}
-try:
-    import llama_cpp
-    out["llama_cpp_python"] = getattr(llama_cpp, "__version__", None)
-    out["gpu_offload"] = bool(llama_cpp.llama_supports_gpu_offload())
-    out["rpc"] = bool(llama_cpp.llama_supports_rpc())
-    info = llama_cpp.llama_print_system_info()
-    out["system_info"] = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
-    backends = []
-    import ctypes, os, glob, sysconfig
-    libdir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-    for path in sorted(glob.glob(os.path.join(libdir, "libggml-*.so*")) + glob.glob(os.path.join(libdir, "ggml-*.dll")) + glob.glob(os.path.join(libdir, "libggml-*.dylib"))):
-        name = os.path.basename(path).split(".")[0].replace("libggml-", "").replace("ggml-", "")
-        if name not in ("base",) and name not in backends:
-            backends.append(name)
-    out["backends"] = backends
-    # llama.cpp's own version (llama_version(), 2026) and, where llama.cpp's common library was
-    # installed beside it, the commit and build number it was compiled from.
-    version = origin = None
-    try:
-        lib = ctypes.CDLL(os.path.join(libdir, "libllama.so"))
-        lib.llama_version.restype = ctypes.c_char_p
-        version = lib.llama_version().decode()
-    except (OSError, AttributeError):
-        pass
-    for common in (os.path.join(libdir, "libllama-common.so"), os.path.join(sysconfig.get_paths()["purelib"], "lib", "libllama-common.so")):
-        if os.path.exists(common):
-            try:
-                c = ctypes.CDLL(common)
-                commit = ctypes.c_char_p.in_dll(c, "LLAMA_COMMIT").value.decode()
-                origin = f"commit {commit}, build {ctypes.c_int.in_dll(c, 'LLAMA_BUILD_NUMBER').value}"
-            except (OSError, ValueError, AttributeError):
-                pass
-            break
-    out["llama_cpp_build"] = " ".join(x for x in (version, f"({origin})" if origin else None) if x) or None
-except Exception as exc:
-    out["error"] = f"{type(exc).__name__}: {exc}"
-print(json.dumps(out))
-"""
-
-
 def probe_llama_build(python: str | None = None, timeout: float = 60.0) -> LlamaBuild:
-    """Read the llama.cpp build in a child process (only trial workers import llama_cpp here)."""
-    try:
-        proc = subprocess.run(
-            [python or sys.executable, "-c", _BUILD_SCRIPT], capture_output=True, text=True, timeout=timeout
-        )
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
-        return LlamaBuild(error=f"could not read the llama.cpp build: {exc}")
-    data["backends"] = tuple(data.get("backends", ()))
-    return LlamaBuild(**{k: v for k, v in data.items() if k in {f.name for f in dataclasses.fields(LlamaBuild)}})
+    """Read llama-cpp-python's llama.cpp build in a child process (only trial workers import llama_cpp here)."""
+    from ..engine.python import read_build
+
+    return _llama_build(read_build(python, timeout))
 
 
-def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = ()) -> Machine:
-    """Read this machine. ``llama=False`` skips the llama.cpp build check (a child process)."""
+def _llama_build(data: dict[str, Any]) -> LlamaBuild:
+    if data.get("error") and not data.get("llama_cpp_python"):
+        return LlamaBuild(error=data["error"])
+    number, commit, version = data.get("build_number"), data.get("commit"), data.get("version")
+    origin = f"commit {commit}, build {number}" if commit and number is not None else None
+    build = " ".join(x for x in (version, f"({origin})" if origin else None) if x) or None
+    return LlamaBuild(llama_cpp_python=data.get("llama_cpp_python"), llama_cpp_build=build,
+                      gpu_offload=bool(data.get("gpu_offload")), rpc=bool(data.get("rpc")),
+                      backends=tuple(data.get("backends", ())), system_info=data.get("system_info"),
+                      error=data.get("error"))
+
+
+def build_of_engine(build: Any, devices: list[Any]) -> LlamaBuild:
+    """The ``LlamaBuild`` of the user's llama.cpp binaries (``llama-cpp`` engine): what profiles record
+    in ``llama_build`` for a build that is not llama-cpp-python's."""
+    names = [b.lower() for b in build.backends] + [d.backend.lower() for d in devices if d.backend]
+    backends = tuple(dict.fromkeys(["cpu", *names]))
+    return LlamaBuild(llama_cpp_python=None, llama_cpp_build=build.describe(),
+                      gpu_offload=any(b not in ("cpu", "rpc", "blas") for b in backends),
+                      rpc="rpc" in backends, backends=backends, system_info=build.detail, error=build.error)
+
+
+def _enrich_with_nvml(devices: list[Any], gpus: tuple[GPU, ...]) -> list[dict]:
+    """Each NVIDIA device llama.cpp lists, with the NVML index of the same GPU (by name, in order):
+    NVML then says who holds its memory and samples its peak use."""
+    taken: set[int] = set()
+    out = []
+    for device in devices:
+        entry = device.to_dict()
+        if not device.rpc_endpoint and device.backend in ("CUDA", "Vulkan", "SYCL", "OpenCL"):
+            for gpu in gpus:
+                if gpu.index not in taken and gpu.name and gpu.name in device.description:
+                    entry["nvml_index"] = gpu.index
+                    taken.add(gpu.index)
+                    break
+        out.append(entry)
+    return out
+
+
+def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any = None) -> Machine:
+    """Read this machine. ``llama=False`` skips asking llama.cpp (a child process) for its build and
+    devices; ``engine`` (a ``tuner.engine.base.Engine``) asks that engine instead of llama-cpp-python."""
     import psutil
 
     gpus, status = probe_gpus()
     memory = psutil.virtual_memory()
     rpc_devices: tuple[dict, ...] = ()
-    if rpc_servers:
+    devices: list[Any] = []
+    engine_build: dict | None = None
+    build = LlamaBuild()
+    if engine is not None or llama:
+        if engine is None:
+            from ..engine.python import TrialRunner
+
+            engine = TrialRunner()
+            owned = True
+        else:
+            owned = False
+        try:
+            devices = list(engine.devices(()))
+            rpc_list = []
+            for endpoint in rpc_servers:
+                # one server at a time, so one that does not answer is named and the others still listed
+                try:
+                    found = [d for d in engine.devices((endpoint,)) if d.rpc_endpoint == endpoint]
+                except TunerError as exc:
+                    rpc_list.append({"endpoint": endpoint, "error": str(exc)})
+                    continue
+                devices += found
+                rpc_list += [{"endpoint": d.rpc_endpoint, "name": d.name, "description": d.description,
+                              "memory_free": d.memory_free, "memory_total": d.memory_total} for d in found]
+                if not found:
+                    rpc_list.append({"endpoint": endpoint, "error": "no device reported"})
+            rpc_devices = tuple(rpc_list)
+            eb = engine.build()
+            if engine.name == "python":
+                build = _llama_build(engine._probe())
+            else:
+                build = build_of_engine(eb, devices)
+            engine_build = eb.to_dict()
+        finally:
+            if owned:
+                engine.close()
+    elif rpc_servers:
         from ..engine.rpc import query_devices
 
         rpc_devices = tuple(query_devices(rpc_servers))
+    unified = detect_unified_memory(gpus) or any(d.unified_memory for d in devices if d.is_accelerator)
     return Machine(
         cpu_model=cpu_model(),
         physical_cores=psutil.cpu_count(logical=False) or psutil.cpu_count() or 1,
@@ -307,9 +360,11 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = ()) -> Machine:
         ram_available=int(memory.available),
         gpus=gpus,
         gpu_status=status,
-        unified_memory=detect_unified_memory(gpus),
+        unified_memory=unified,
         system=platform.system(),
         arch=platform.machine(),
-        llama=probe_llama_build() if llama else LlamaBuild(),
+        llama=build,
         rpc_devices=rpc_devices,
+        devices=tuple(_enrich_with_nvml(devices, gpus)),
+        engine=engine_build,
     )

@@ -263,10 +263,13 @@ def llama_cpp_source() -> Path | None:
     return None
 
 
-def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, source: Path, optimize: str = "-O2") -> Path:
+def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, source: Path, optimize: str = "-O2",
+                            defines: tuple[str, ...] = ()) -> Path:
     """Compile a C++ program (llama-bench, a test harness) against the llama.cpp libraries that
     llama-cpp-python installed (``libllama``, ``libggml*``, ``libllama-common``).
 
+    The binary finds those libraries by itself (an RPATH that also serves the libraries' own
+    dependencies), so it runs like a user's installed llama.cpp, without LD_LIBRARY_PATH.
     Raises ``TunerError`` saying what is missing when a compiler or a library is not there."""
     import shutil
     import sysconfig
@@ -279,14 +282,48 @@ def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, 
         raise TunerError(f"{libdir / 'libllama-common.so'} is missing (llama-cpp-python installs it with llama.cpp's common library)")
     out_dir.mkdir(parents=True, exist_ok=True)
     include = [f"-I{source / d}" for d in ("common", "include", "ggml/include", "vendor")]
-    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", f"-Wl,-rpath,{libdir}"]
+    # DT_RPATH (not RUNPATH): it applies to libllama-common's own dependencies too.
+    rpath = [f"-Wl,-rpath,{libdir}"] + (["-Wl,--disable-new-dtags"] if sys.platform.startswith("linux") else [])
+    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", *rpath]
     binary = out_dir / target
     extra = sorted({f"-I{p.parent}" for p in sources})
-    proc = subprocess.run([compiler, "-std=c++17", optimize, *include, *extra, *map(str, sources), "-o", str(binary), *link],
+    flags = [f"-D{d}" for d in defines]
+    proc = subprocess.run([compiler, "-std=c++17", optimize, *flags, *include, *extra, *map(str, sources), "-o", str(binary), *link],
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise TunerError(f"could not build {target} against {source}: {proc.stderr[-2000:]}")
     return binary
+
+
+# The llama.cpp tools the llama-cpp engine uses, by the sources they are built from.
+LLAMA_CPP_TOOLS = {
+    "llama-bench": ("tools/llama-bench/llama-bench.cpp", "tools/llama-bench/main.cpp"),
+    "llama-fit-params": ("tools/fit-params/fit-params.cpp", "tools/fit-params/main.cpp"),
+}
+
+
+def build_llama_cpp_tools(out_dir: str | os.PathLike[str], *, source: Path | None = None) -> Path:
+    """Build llama-bench and llama-fit-params from the llama.cpp sources that match the installed
+    llama-cpp-python, into ``out_dir``: a folder of real llama.cpp binaries for ``--llama-bin`` (what
+    tests and CI give the llama-cpp engine). Optimized and without asserts, like a release build.
+
+    A tool already there and newer than its sources is kept (one build per CI run: ``.ci/run``
+    empties the folder first). Raises ``TunerError`` when the sources or a compiler are missing."""
+    source = source or llama_cpp_source()
+    if source is None:
+        raise TunerError("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's "
+                         "vendor/llama.cpp")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for tool, files in LLAMA_CPP_TOOLS.items():
+        sources = [source / f for f in files]
+        binary = out / tool
+        if binary.exists() and binary.stat().st_mtime >= max(p.stat().st_mtime for p in sources):
+            continue
+        # built under a temporary name and renamed: a half-built tool never looks finished
+        built = build_against_llama_cpp(f".{tool}.part", sources, out, source=source, optimize="-O2", defines=("NDEBUG",))
+        os.replace(built, binary)
+    return out
 
 
 def llama_cpp_env() -> dict[str, str]:

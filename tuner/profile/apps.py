@@ -7,7 +7,10 @@ Selection (``load_profile``): profiles on the search path whose model fingerprin
 hash) is this file's; among them an exact machine match first, then the same hardware class (same
 GPU models and memory); earlier search-path folders first, then the newest.
 
-Validation at load (``check_profile``): a different llama.cpp build is a warning. Free memory now,
+Validation at load (``check_profile``): a different llama.cpp build is a warning: the app runs
+llama-cpp-python (``tuner.Llama``) unless it says it runs llama.cpp's binaries (``llama_bin=DIR``, as
+an app that starts llama-server does), and a profile measured by the other engine, or by another build,
+was measured on another llama.cpp. Free memory now,
 per device, is compared with what the profile needs plus a margin. If it no longer fits, the profile
 is degraded in the order the levers rank: the context first (never below the profile's ``min_ctx``),
 then fewer GPU layers. Fewer GPU layers is a partial offload the profile did not choose: it is
@@ -62,6 +65,7 @@ from .document import (
 from .store import SearchPath, list_profiles, profile_search_path, read_profile
 
 if TYPE_CHECKING:
+    from ..engine.base import EngineBuild
     from ..machine.probe import GPU, Machine
 
 MiB = 1 << 20
@@ -85,12 +89,15 @@ def load_profile(
     strict: bool = False,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
     registry: str | None = None,
+    llama_bin: str | os.PathLike[str] | None = None,
 ) -> Profile:
     """The best profile for this model file on this machine, checked (and if needed degraded) to fit now.
 
     ``machine`` defaults to this machine (``tuner.hardware.probe(llama=False)``); tests inject one.
     When no local folder has one, the team's registry is asked (``registry``, by default
     ``OFFLOAD_TUNER_REGISTRY``; see ``tuner.profile.registry``), and its answer cached locally.
+    ``llama_bin``: the folder of the llama.cpp binaries this app runs the profile with (llama-server...);
+    by default the app runs llama-cpp-python. A profile measured on another build is a warning.
     Raises ``NoMatchingProfileError`` listing each profile found and why it did not match.
     """
     fingerprint = model_fingerprint(model_path)
@@ -110,7 +117,7 @@ def load_profile(
     if not candidates:
         raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
     best = min(candidates, key=lambda c: c[:4])[-1]
-    return _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes)
+    return _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes, _app_build(llama_bin))
 
 
 def _match(entries: list, folders: list, fingerprint: dict, machine: "Machine") -> tuple[list, list[str]]:
@@ -195,16 +202,28 @@ def check_profile(
     machine: "Machine | None" = None,
     strict: bool = False,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
+    llama_bin: str | os.PathLike[str] | None = None,
 ) -> Profile:
     """Check one profile against this model file and this machine now; return it ready to load.
 
     The returned profile has the app's ``model_path`` and, where it no longer fits, the degraded
     settings with ``degradation`` saying what changed and why. ``strict=True`` raises
-    ``ProfileMismatchError`` instead of changing anything.
+    ``ProfileMismatchError`` instead of changing anything. ``llama_bin``: as for ``load_profile``.
     """
     probed = machine is None
     machine = machine if machine is not None else this_machine()
-    return _check(profile, model_path, model_fingerprint(model_path), machine, probed, strict, margin_bytes)
+    return _check(profile, model_path, model_fingerprint(model_path), machine, probed, strict, margin_bytes,
+                  _app_build(llama_bin))
+
+
+def _app_build(llama_bin: str | os.PathLike[str] | None) -> "EngineBuild | None":
+    """The build of the binaries an app runs (their --version); None: the app runs llama-cpp-python."""
+    if llama_bin is None:
+        return None
+    from ..engine.llamacpp import LlamaCppEngine
+
+    with LlamaCppEngine(llama_bin) as engine:
+        return engine.build()
 
 
 def _check(
@@ -215,6 +234,7 @@ def _check(
     probed: bool,
     strict: bool,
     margin_bytes: int,
+    runs: "EngineBuild | None" = None,
 ) -> Profile:
     reason = model_mismatch(profile, fingerprint)
     if reason is not None:
@@ -228,7 +248,7 @@ def _check(
             ProfileWarning,
             stacklevel=3,
         )
-    _check_build(profile, machine)
+    _check_build(profile, machine, runs)
 
     plan = _Plan(profile, machine, margin_bytes)
     changes = plan.threads_changes() + plan.fit()
@@ -268,13 +288,36 @@ def _with_rpc_devices(machine: "Machine", servers: tuple[str, ...]) -> "Machine"
         return machine
 
 
-def _check_build(profile: Profile, machine: "Machine") -> None:
+def _check_build(profile: Profile, machine: "Machine", runs: "EngineBuild | None" = None) -> None:
+    """Warn when the app runs another llama.cpp than the one that measured the profile: the other
+    engine (llama-cpp-python vs the user's binaries), or another build of it."""
     recorded, here = profile.llama_build, machine.llama
+    engine = profile.engine
+    measured_by = engine.name if engine is not None else "python"
+    recorded_build = engine.build if engine is not None else recorded.llama_cpp_build
     differences = []
-    if recorded.llama_cpp_python and here.llama_cpp_python and recorded.llama_cpp_python != here.llama_cpp_python:
-        differences.append(f"llama-cpp-python {recorded.llama_cpp_python}, this machine has {here.llama_cpp_python}")
-    if recorded.llama_cpp_build and here.llama_cpp_build and recorded.llama_cpp_build != here.llama_cpp_build:
-        differences.append(f"llama.cpp build {recorded.llama_cpp_build}, this machine has {here.llama_cpp_build}")
+    if runs is None:  # the app runs llama-cpp-python
+        if measured_by == "llama-cpp":
+            version = f" {here.llama_cpp_python}" if here.llama_cpp_python else ""
+            warnings.warn(
+                f"profile {profile.name} was measured with llama.cpp binaries (build {recorded_build}"
+                f"{f', {engine.path}' if engine and engine.path else ''}); this app runs llama-cpp-python{version}: speed "
+                "and memory use may differ; tune with --engine python to measure the llama.cpp this app runs",
+                LlamaBuildWarning,
+                stacklevel=4,
+            )
+            return
+        if recorded.llama_cpp_python and here.llama_cpp_python and recorded.llama_cpp_python != here.llama_cpp_python:
+            differences.append(f"llama-cpp-python {recorded.llama_cpp_python}, this machine has {here.llama_cpp_python}")
+        if recorded.llama_cpp_build and here.llama_cpp_build and recorded.llama_cpp_build != here.llama_cpp_build:
+            differences.append(f"llama.cpp build {recorded.llama_cpp_build}, this machine has {here.llama_cpp_build}")
+    else:  # the app runs llama.cpp's binaries
+        theirs = runs.describe()
+        same = _same_build(recorded_build, theirs)
+        if same is False or (same is None and measured_by != "llama-cpp"):
+            what = "llama.cpp binaries" if measured_by == "llama-cpp" else "llama-cpp-python"
+            differences.append(f"{what}, llama.cpp build {recorded_build or 'unknown'}; the binaries in {runs.path} are "
+                               f"build {theirs}")
     if differences:
         warnings.warn(
             f"profile {profile.name} was measured with {'; '.join(differences)}: speed and memory use may differ; "
@@ -282,6 +325,24 @@ def _check_build(profile: Profile, machine: "Machine") -> None:
             LlamaBuildWarning,
             stacklevel=4,
         )
+
+
+def _same_build(a: str | None, b: str | None) -> bool | None:
+    """Whether two build strings name the same llama.cpp: by commit where both have one, else by build
+    number; None when they cannot be compared."""
+    def parts(text: str | None) -> tuple[str | None, str | None]:
+        if not text:
+            return None, None
+        commit = re.search(r"(?:commit |\()([0-9a-f]{7,40})\b", text)
+        number = re.search(r"\bb(?:uild )?(\d+)\b", text)
+        return (commit[1] if commit else None), (number[1] if number else None)
+
+    (ca, na), (cb, nb) = parts(a), parts(b)
+    if ca and cb:
+        return ca.startswith(cb) or cb.startswith(ca)
+    if na and nb:
+        return na == nb
+    return None
 
 
 @dataclass

@@ -13,19 +13,25 @@ newer minor version of the same major loads with a ``SchemaVersionWarning``; the
 know are ignored, at any depth, and the warning names them. In the current or an older minor version an
 unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
 
-The document (schema 1.2); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
+The document (schema 1.3); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
 ``quality_budget``; a 1.0 document (without them) loads as it always did:
 
 =============================  ===============================================================================
 key                            meaning
 =============================  ===============================================================================
-``schema_version``             ``"1.2"``
+``schema_version``             ``"1.3"``
 ``tool_version``               the offload-tuner version that wrote it
 ``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
 ``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
                                memory), ``cpu_model``, ``physical_cores``, ``logical_cores``, ``ram_total``,
                                ``gpus`` (``[{index, name, uuid, memory_total, driver}]``),
-                               ``unified_memory``, ``system``, ``arch``
+                               ``unified_memory``, ``system``, ``arch``, ``devices`` (1.3: the accelerators as
+                               llama.cpp listed them: ``[{name, description, type, memory_total,
+                               unified_memory}]``, ``type`` ``gpu`` or ``igpu``)
+``engine``                     (1.3) what measured it: ``name`` (``"python"``: llama-cpp-python; ``"llama-cpp"``:
+                               the user's llama.cpp binaries), ``build`` (llama.cpp's build, e.g.
+                               ``"b6895 (4341dc8bc)"``), ``path`` (the binaries' folder or the package's);
+                               ``null`` before 1.3 (the python engine)
 ``llama_build``                ``llama_cpp_python`` (version), ``llama_cpp_build`` (build number or commit),
                                ``backends`` (list), ``gpu_offload``, ``rpc``
 ``model``                      ``file_name``, ``size``, ``header_hash`` (sha256 of the GGUF header and tensor
@@ -64,7 +70,8 @@ Versions: 1.2 added settings from newer llama.cpp (``swa_full``, ``n_cpu_moe``, 
 model's sliding window and training context to ``sizing``. A 1.0 or 1.1 profile still loads, with the
 values it was measured with: ``swa_full`` true, the C API default the python engine ran then (its
 memory arithmetic is then the same with or without a window, so the sizing it lacks is not needed);
-``n_cpu_moe`` 0 and ``kv_unified`` false.
+``n_cpu_moe`` 0 and ``kv_unified`` false. 1.3 added ``engine`` and ``machine.devices`` (an older profile
+reads with ``engine`` null: it was measured by the python engine, and no device list).
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -92,7 +99,8 @@ from .dburl import redact_url
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
+ENGINES = ("python", "llama-cpp")
 BUNDLE_VERSION = "1.0"
 OBJECTIVES = ("tg", "pp", "mixed")
 # A profile is a few KiB; refuse to parse anything absurd (a wrong file on the search path).
@@ -141,6 +149,26 @@ class GPUInfo:
 
 
 @dataclass(frozen=True)
+class DeviceRecord:
+    """An accelerator as llama.cpp listed it on the tuning machine."""
+
+    name: str  # CUDA0, ROCm0, Vulkan0, MTL0, RPC0[host:port] ...
+    description: str
+    type: str  # gpu or igpu
+    memory_total: int | None
+    unified_memory: bool
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What measured the profile: the engine and the llama.cpp build it ran."""
+
+    name: str  # "python" (llama-cpp-python) or "llama-cpp" (the user's binaries)
+    build: str  # e.g. "b6895 (4341dc8bc)"
+    path: str | None  # the binaries' folder, or llama-cpp-python's package folder
+
+
+@dataclass(frozen=True)
 class MachineInfo:
     """The tuning machine, as recorded. ``fingerprint`` and ``hardware_class`` come from ``Machine``."""
 
@@ -154,6 +182,7 @@ class MachineInfo:
     unified_memory: bool
     system: str
     arch: str
+    devices: tuple[DeviceRecord, ...] = ()
 
     @classmethod
     def from_machine(cls, machine: "Machine") -> "MachineInfo":
@@ -168,11 +197,16 @@ class MachineInfo:
             unified_memory=machine.unified_memory,
             system=machine.system,
             arch=machine.arch,
+            devices=tuple(DeviceRecord(d["name"], d.get("description", ""), d.get("type", "gpu"), d.get("memory_total"),
+                                       bool(d.get("unified_memory"))) for d in machine.accelerators()),
         )
 
     def describe(self) -> str:
-        """``'AMD Ryzen 9 7950X, 2x NVIDIA GeForce RTX 4090 (24.0 GiB)'`` for messages."""
-        return f"{self.cpu_model}, {describe_gpus([(g.name, g.memory_total) for g in self.gpus])}"
+        """``'AMD Ryzen 9 7950X, 2x NVIDIA GeForce RTX 4090 (24.0 GiB)'`` for messages (the GPUs llama.cpp
+        listed where NVML saw none: ``'Apple M2 Pro, Apple M2 Pro (21.3 GiB)'``)."""
+        gpus = [(g.name, g.memory_total) for g in self.gpus] or [
+            (d.description or d.name, d.memory_total or 0) for d in self.devices if not d.name.startswith("RPC")]
+        return f"{self.cpu_model}, {describe_gpus(gpus)}"
 
 
 @dataclass(frozen=True)
@@ -333,6 +367,7 @@ class Profile:
     study: StudyRef | None = None
     quality: QualityInfo | None = None
     quality_budget: QualityBudgetInfo | None = None
+    engine: EngineInfo | None = None  # None: a profile from before 1.3, measured by the python engine
     schema_version: str = SCHEMA_VERSION
     path: str | None = field(default=None, compare=False)
     degradation: tuple[str, ...] = field(default=(), compare=False)
@@ -377,6 +412,7 @@ class Profile:
         study: Mapping[str, Any] | None = None,
         quality: Mapping[str, Any] | None = None,
         quality_budget: Mapping[str, Any] | None = None,
+        engine: Mapping[str, Any] | None = None,
     ) -> "Profile":
         """The profile of a finished tune, validated as a reader will read it. The schema version,
         the tool version and the time are this module's to set.
@@ -385,7 +421,7 @@ class Profile:
         with ``Stats`` dicts; ``memory`` is ``{predicted, actual}`` per device; ``sizing`` as the
         document's ``sizing``; ``study`` is ``{name, storage}`` with any password already removed;
         ``quality`` and ``quality_budget`` are the document's (``None`` when the tune measured none /
-        was asked none).
+        was asked none); ``engine`` is ``{name, build, path}`` of the engine that measured it.
         """
         machine_info = MachineInfo.from_machine(machine)
         build = LlamaBuildInfo.from_build(machine.llama)
@@ -393,7 +429,9 @@ class Profile:
             "schema_version": SCHEMA_VERSION,
             "tool_version": tool_version(),
             "created_at": utc_now(),
-            "machine": {**_asdict(machine_info), "gpus": [_asdict(g) for g in machine_info.gpus]},
+            "machine": {**_asdict(machine_info), "gpus": [_asdict(g) for g in machine_info.gpus],
+                        "devices": [_asdict(d) for d in machine_info.devices]},
+            "engine": dict(engine) if engine is not None else None,
             "llama_build": {**_asdict(build), "backends": list(build.backends)},
             "model": dict(model),
             "settings": settings.to_dict(),
@@ -417,7 +455,9 @@ class Profile:
             "schema_version": self.schema_version,
             "tool_version": self.tool_version,
             "created_at": self.created_at,
-            "machine": {**_asdict(self.machine), "gpus": [_asdict(g) for g in self.machine.gpus]},
+            "machine": {**_asdict(self.machine), "gpus": [_asdict(g) for g in self.machine.gpus],
+                        "devices": [_asdict(d) for d in self.machine.devices]},
+            "engine": None if self.engine is None else _asdict(self.engine),
             "llama_build": {**_asdict(self.llama_build), "backends": list(self.llama_build.backends)},
             "model": _asdict(self.model),
             "settings": self.settings.to_dict(),
@@ -458,6 +498,14 @@ class Profile:
         if _major_minor(self.schema_version) >= (1, 1):
             out["quality"] = None if self.quality is None else _quality_dict(self.quality)
             out["quality_budget"] = None if self.quality_budget is None else _asdict(self.quality_budget)
+        # 1.3's engine and device list likewise: left out of an older document that has none (it reads
+        # back the same), and a document that has them is a 1.3 one.
+        if _major_minor(out["schema_version"]) < (1, 3):
+            if self.engine is None and not self.machine.devices:
+                del out["engine"]
+                del out["machine"]["devices"]
+            else:
+                out["schema_version"] = "1.3"
         return out
 
     def validate(self) -> None:
@@ -795,7 +843,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         data,
         "",
         (
-            "schema_version", "tool_version", "created_at", "machine", "llama_build", "model", "settings",
+            "schema_version", "tool_version", "created_at", "machine", "engine", "llama_build", "model", "settings",
             "min_ctx", "objective", "measured", "memory", "sizing", "layers_offloaded", "layers_total",
             "runner_up", "trials", "study", "quality", "quality_budget",
         ),
@@ -807,9 +855,21 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
     m = _obj(
         _get(top, "machine", ""),
         "machine",
-        ("fingerprint", "hardware_class", "cpu_model", "physical_cores", "logical_cores", "ram_total", "gpus", "unified_memory", "system", "arch"),
+        ("fingerprint", "hardware_class", "cpu_model", "physical_cores", "logical_cores", "ram_total", "gpus", "unified_memory",
+         "system", "arch", "devices"),
         ctx,
     )
+    devices = []
+    if not isinstance(_get(m, "devices", "machine", []), list):
+        raise ProfileValidationError("machine.devices", f"expected a list, got {_kind(m['devices'])}")
+    for i, d in enumerate(_get(m, "devices", "machine", [])):
+        dp = f"machine.devices[{i}]"
+        d = _obj(d, dp, ("name", "description", "type", "memory_total", "unified_memory"), ctx)
+        kind = _get(d, "type", dp)
+        if kind not in ("gpu", "igpu"):
+            raise ProfileValidationError(f"{dp}.type", f"expected gpu or igpu, got {_kind(kind)}")
+        devices.append(DeviceRecord(_str(d, "name", dp), _text(d, "description", dp), kind,
+                                    _int(d, "memory_total", dp, nullable=True), _bool(d, "unified_memory", dp)))
     gpus = []
     for i, g in enumerate(_list(m, "gpus", "machine")):
         gp = f"machine.gpus[{i}]"
@@ -826,7 +886,17 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         unified_memory=_bool(m, "unified_memory", "machine"),
         system=_text(m, "system", "machine"),
         arch=_text(m, "arch", "machine"),
+        devices=tuple(devices),
     )
+
+    engine = None
+    en = _get(top, "engine", "", None)
+    if en is not None:
+        en = _obj(en, "engine", ("name", "build", "path"), ctx)
+        name = _get(en, "name", "engine")
+        if name not in ENGINES:
+            raise ProfileValidationError("engine.name", f"expected one of {', '.join(ENGINES)}, got {_kind(name)}")
+        engine = EngineInfo(name=name, build=_str(en, "build", "engine"), path=_str(en, "path", "engine", nullable=True, default=None))
 
     b = _obj(_get(top, "llama_build", ""), "llama_build", ("llama_cpp_python", "llama_cpp_build", "backends", "gpu_offload", "rpc"), ctx)
     backends = _list(b, "backends", "llama_build")
@@ -940,6 +1010,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         study=study,
         quality=quality,
         quality_budget=quality_budget,
+        engine=engine,
     )
 
 
@@ -1014,6 +1085,9 @@ __all__ = [
     "Profile",
     "MachineInfo",
     "GPUInfo",
+    "DeviceRecord",
+    "EngineInfo",
+    "ENGINES",
     "LlamaBuildInfo",
     "ModelInfo",
     "Stats",

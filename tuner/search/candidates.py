@@ -16,7 +16,7 @@ from ..engine.settings import Settings
 from ..machine.probe import Machine
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import KV_TYPE_BLOCKS, ModelInfo
-from .space import PLACEMENTS, Device, SearchSpace, placement_patterns, rpc_devices_from
+from .space import PLACEMENTS, Device, SearchSpace, devices_from, placement_patterns, rpc_devices_from
 
 MiB = 1 << 20
 
@@ -39,7 +39,16 @@ _OOM_DEVICE_RES = [
 
 
 def accelerator_devices(machine: Machine) -> list[Device]:
-    """The devices llama.cpp will offload to, with the memory the tuner plans with."""
+    """The devices llama.cpp will offload to, with the memory the tuner plans with.
+
+    Where the engine listed its devices (``Machine.devices``), those, with llama.cpp's names; an RPC
+    server that did not answer is an error. A ``Machine`` without them (injected by a test, or probed
+    without an engine) falls back to NVML's GPUs under CUDA names and the RPC servers' own reports."""
+    if machine.devices:
+        for entry in machine.rpc_devices:
+            if "error" in entry:
+                rpc_devices_from([entry])  # raises, naming the server
+        return devices_from(machine.devices)
     devices: list[Device] = []
     if machine.llama.gpu_offload or not machine.llama.llama_cpp_python:
         for g in machine.gpus:

@@ -67,13 +67,16 @@ class Remeasure:
         samples: dict[int, dict[str, list[float]]] = {c.number: {"pp": [], "tg": []} for c in contenders}
         last: dict[int, TrialResult] = {}
         settings = [c.settings for c in contenders]
-        paired = hasattr(self.engine, "run_paired") and len(contenders) > 1 and self.fit_together(settings)
+        # An engine that loads the candidates together (the python worker) needs them to fit at once;
+        # one that runs them one at a time in rotating rounds (llama-bench, the fake) does not.
+        paired = len(contenders) > 1 and (not getattr(self.engine, "loads_candidates_together", True)
+                                          or self.fit_together(settings))
         self.emit({"kind": "remeasure", "candidates": [c.number for c in contenders], "rounds": self.rounds,
                    "repetitions": self.rounds * self.final.repetitions, "paired": paired})
         interrupted = False
         try:
             if paired:
-                # all loaded in one worker, measured within the same seconds, round after round
+                # measured within the same seconds, round after round
                 with ctrl_c.immediate():
                     results = self.engine.run_paired(settings, self.final, rounds=self.rounds)
                 if not all(r.ok for r in results):

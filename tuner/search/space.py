@@ -56,7 +56,7 @@ _OLD_NAMES = {"kv_types": "type_k", "threads": "n_threads", "placements": "tenso
 class Device:
     """An accelerator as llama.cpp names it, with the memory the tuner may plan with."""
 
-    name: str  # CUDA0, Metal, RPC0[127.0.0.1:50052] ...
+    name: str  # CUDA0, ROCm0, Vulkan0, MTL0, SYCL0, RPC0[127.0.0.1:50052] ...
     free: int  # bytes
     total: int
     rpc_endpoint: str | None = None
@@ -418,6 +418,22 @@ def build_space(
     )
 
 
+def devices_from(machine_devices: Sequence[Mapping[str, Any]]) -> list[Device]:
+    """The accelerators among llama.cpp's devices (``Machine.devices``), in llama.cpp's order, as the
+    search space plans with them: GPUs, integrated GPUs and RPC servers; not the CPU, and not the
+    compute-only devices without memory of their own (BLAS)."""
+    from ..engine.devices import DeviceInfo
+
+    out = []
+    for entry in machine_devices:
+        d = DeviceInfo.from_dict(entry)
+        if d.is_accelerator:
+            total = d.memory_total if d.memory_total is not None else (d.memory_free or 0)
+            out.append(Device(name=d.name, free=d.memory_free if d.memory_free is not None else total, total=total,
+                              rpc_endpoint=d.rpc_endpoint))
+    return out
+
+
 def rpc_devices_from(report: Sequence[Mapping[str, Any]]) -> list[Device]:
     """Devices from ``tuner.engine.rpc.query_devices``; a server that did not answer is an error."""
     from ..errors import RPCError
@@ -425,7 +441,9 @@ def rpc_devices_from(report: Sequence[Mapping[str, Any]]) -> list[Device]:
     out = []
     for entry in report:
         if "error" in entry:
-            raise RPCError(f"RPC server {entry['endpoint']}: {entry['error']}; start it with `offload-tuner rpc-serve`")
+            error = str(entry["error"])
+            raise RPCError(error if error.startswith("RPC server") else
+                           f"RPC server {entry['endpoint']}: {error}; start it with `offload-tuner rpc-serve`")
         out.append(Device(name=f"RPC0[{entry['endpoint']}]", free=int(entry["memory_free"]), total=int(entry["memory_total"]),
                           rpc_endpoint=entry["endpoint"]))
     return out

@@ -9,7 +9,8 @@ the loop only; its collaborators do the rest:
 - ``variants``: which files are the same model (the rest are rejected, with the reason);
 - ``space``: what to try, built from the machine and the model;
 - ``candidates``: whether a candidate is worth a launch (the memory arithmetic against free memory,
-  and what out-of-memory failures taught), and the seeds that open a study;
+  and what out-of-memory failures taught), and the seeds that open a study (llama.cpp's own fitter's
+  answer among them, where the engine has one);
 - ``remeasure``: the leading candidates measured again side by side, and the winner picked;
 - ``quality`` and ``budget``: each variant's quality measured first (cached), the variants over a
   quality budget left out, a speed target's winner picked by quality, and the trade printed;
@@ -40,6 +41,7 @@ from ..engine.base import BenchSpec, TrialResult
 from ..engine.outcome import Outcome
 from ..engine.python import TrialRunner
 from .. import limits
+from ..engine.settings import Settings
 from ..errors import SettingsError, StudyError, TunerError
 from ..machine.lock import MachineLock
 from ..machine.probe import Machine, probe
@@ -81,6 +83,7 @@ class TuneResult:
     excluded: dict[str, str] = field(default_factory=dict)  # variants over the quality budget, and why
     trade: list[dict[str, Any]] = field(default_factory=list)
     target: dict[str, Any] | None = None  # {min_tg, min_pp, met, best_tg, best_pp} in target mode
+    flags_check: dict[str, Any] | None = None  # the profile's llama-server flags through the engine's own parser
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +101,7 @@ class TuneResult:
             "over_budget": self.excluded,
             "trade": self.trade,
             "target": self.target,
+            "flags_check": self.flags_check,
         }
 
 
@@ -237,7 +241,7 @@ class Tuner:
         for path, why in self.rejected.items():
             self.emit({"kind": "rejected", "path": path, "reason": why})
 
-        self.machine = machine or probe(rpc_servers=self.rpc_servers)
+        self.machine = machine or probe(rpc_servers=self.rpc_servers, engine=engine)
         self.engine = engine
         self.quality: QualityReport | None = None
         self.excluded: dict[str, str] = {}
@@ -266,6 +270,7 @@ class Tuner:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
             self.space = self.space.narrowed(**space_overrides)
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, vram_margin)
+        self.margin = vram_margin
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
 
     def _measure_quality(self, reference: str | Path | None, corpus: str | Path | None, chunks: int,
@@ -320,17 +325,19 @@ class Tuner:
             study.set_user_attr("quality_budget", self.budget.to_dict())
         done, launched_before = self._resume(study)
         resumed = bool(study.get_trials(deepcopy=False))
+        engine = self.engine or TrialRunner(timeout_s=self.trial_timeout)
         if not resumed:
-            for s in self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
-                                           depth=self.bench.depth + self.bench.n_gen // 2,
-                                           unified_memory=self.machine.unified_memory):
+            seeds = self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
+                                          depth=self.bench.depth + self.bench.n_gen // 2,
+                                          unified_memory=self.machine.unified_memory)
+            for s in seeds:
                 study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True}, skip_if_exists=True)
+            self._enqueue_fit_seed(study, engine, seeds[0])
         self.emit({"kind": "start", "study": self.study_name, "storage": redact_url(self.storage), "resumed": resumed,
                    "done": len(done), "recovered": list(self.store.recovered), "space": self.space.describe(),
                    "grid": self.space.grid_size(), "variants": list(self.models), "rejected": self.rejected,
                    "trials": self.trials, "time_budget": self.time_budget})
 
-        engine = self.engine or TrialRunner(timeout_s=self.trial_timeout)
         try:
             with CtrlC() as ctrl_c:
                 interrupted = self._loop(study, engine, ctrl_c, done, launched_before)
@@ -338,6 +345,29 @@ class Tuner:
         finally:
             if self.engine is None:
                 engine.close()
+
+    def _enqueue_fit_seed(self, study: Any, engine: Any, base: Settings) -> None:
+        """llama.cpp's own fitter as one more seed, where the engine has it: its choice of layers, split
+        and tensor placement for the first seed's other settings, measured like any other candidate."""
+        if not self.space.has_gpu:
+            return  # nothing to fit: every layer runs on the CPU
+        try:
+            answer = engine.fit(base, margin=self.margin, min_ctx=self.min_ctx)
+        except TunerError as exc:
+            self.emit({"kind": "fit_seed", "settings": None, "message": f"llama.cpp's fitter failed: {exc}"})
+            return
+        if answer is None:
+            return
+        s = answer.settings
+        every = self.space.n_layer + 1
+        if s.n_gpu_layers < 0 or s.n_gpu_layers > every:
+            s = s.replace(n_gpu_layers=every)
+        # Fit's tensor placement may be one the space cannot express: the trial carries the exact
+        # settings, and the parameters are the nearest the space has (for the sampler's model).
+        # Not skip_if_exists: a seed with the same parameters may differ in that placement.
+        study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": "fit", "fixed_settings": s.to_dict(),
+                                                                  "fit_args": answer.args})
+        self.emit({"kind": "fit_seed", "settings": s.to_dict(), "message": f"{Path(answer.tool).name}: {answer.args}"})
 
     def _resume(self, study: Any) -> tuple[dict[str, Any], int]:
         """What earlier runs of this study already know: the candidates done (by settings) and the
@@ -384,6 +414,9 @@ class Tuner:
                 self.store.claim(trial)
                 try:
                     s = self.space.suggest(trial)
+                    if trial.user_attrs.get("fixed_settings"):
+                        # a seed the space cannot express exactly (llama.cpp's fitter's answer)
+                        s = Settings.from_dict(trial.user_attrs["fixed_settings"])
                 except (ValueError, SettingsError) as exc:
                     trial.set_user_attr("reason", f"invalid candidate: {exc}")
                     study.tell(trial, state=TrialState.PRUNED)
@@ -528,11 +561,12 @@ class Tuner:
         path: Path | None = None
         problem = None
         try:
-            profile = self._profile(best, runner_up, counts, target)
+            profile = self._profile(best, runner_up, counts, target, engine)
             path = profile.write(self.out)
         except TunerError as exc:
             problem = (f"the profile was not written: {exc}. Nothing is lost: study {self.study_name} keeps every trial; "
                        "fix this and run the same command again, it writes the profile without repeating the trials")
+        flags = self._check_exported_flags(profile, engine) if profile is not None else None
         best_out = best.to_dict()
         traded = self._trade(complete, contenders)
         self.emit({"kind": "done", "profile_path": str(path) if path else None, "best": best_out, "counts": counts,
@@ -540,7 +574,7 @@ class Tuner:
         return TuneResult(profile=profile, profile_path=path, best=best_out, runner_up=runner_up, counts=counts,
                           space=self.space, study_name=self.study_name, storage=self.storage, interrupted=interrupted,
                           rejected=self.rejected, profile_error=problem, quality=self.quality, excluded=self.excluded,
-                          trade=traded, target=target)
+                          trade=traded, target=target, flags_check=flags)
 
     def _trade(self, complete: Sequence[Any], contenders: Sequence[Contender]) -> list[dict[str, Any]]:
         """Per variant, its best speed found (re-measured figures where it was re-measured) and
@@ -557,8 +591,25 @@ class Tuner:
                               "remeasured": c.remeasured}
         return trade(self.quality, best, self.excluded, list(self.models))
 
+    def _check_exported_flags(self, profile: Profile, engine: Any) -> dict[str, Any] | None:
+        """The profile's llama-server flags through the engine's own binaries' parser, where it has one."""
+        if not hasattr(engine, "check_flags"):
+            return None
+        from ..profile.exports import tool_args
+
+        try:
+            answer = engine.check_flags("llama-server", tool_args(profile, "llama-server"))
+        except TunerError as exc:
+            answer = ("", f"could not run the check: {exc}")
+        if answer is None:
+            return None
+        binary, error = answer
+        result = {"tool": "llama-server", "parser": binary, "accepted": error is None, "error": error}
+        self.emit({"kind": "flags_checked", **result})
+        return result
+
     def _profile(self, best: Contender, runner_up: dict[str, Any] | None, counts: dict[str, int],
-                 target: dict[str, Any] | None = None) -> Profile:
+                 target: dict[str, Any] | None = None, engine: Any = None) -> Profile:
         s = best.settings
         info = self.models[s.model_path]
         quality = None
@@ -572,8 +623,21 @@ class Tuner:
         if self.budget.has_limit or self.budget.has_target:
             asked = {**self.budget.to_dict(), "target_met": target["met"] if target is not None else None}
         kv_layer = info.kv_bytes_per_token_layer(info.kv_layers[0] if info.kv_layers else 0, s.type_k, s.type_v)
+        machine = self.machine
+        recorded_engine = None
+        if getattr(engine, "name", "") in ("python", "llama-cpp"):
+            build = engine.build()
+            recorded_engine = {"name": engine.name, "build": build.describe(), "path": build.path}
+            if engine.name == "llama-cpp":
+                # the binaries' build, now that a benchmark ran (an older llama-bench says it only there)
+                import dataclasses
+
+                from ..machine.probe import build_of_engine
+
+                machine = dataclasses.replace(machine, llama=build_of_engine(build, engine.devices(self.rpc_servers)))
         return Profile.from_tuning(
-            machine=self.machine,
+            machine=machine,
+            engine=recorded_engine,
             model=info.fingerprint(),
             settings=s,
             min_ctx=self.min_ctx,
