@@ -351,8 +351,7 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
         from ..engine.rpc import query_devices
 
         rpc_devices = tuple(query_devices(rpc_servers))
-    unified = detect_unified_memory(gpus) or any(d.unified_memory for d in devices if d.is_accelerator)
-    return Machine(
+    machine = Machine(
         cpu_model=cpu_model(),
         physical_cores=psutil.cpu_count(logical=False) or psutil.cpu_count() or 1,
         logical_cores=psutil.cpu_count() or 1,
@@ -360,11 +359,18 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
         ram_available=int(memory.available),
         gpus=gpus,
         gpu_status=status,
-        unified_memory=unified,
         system=platform.system(),
         arch=platform.machine(),
         llama=build,
         rpc_devices=rpc_devices,
-        devices=tuple(_enrich_with_nvml(devices, gpus)),
         engine=engine_build,
+        unified_memory=detect_unified_memory(gpus),
     )
+    return with_devices(machine, devices)
+
+
+def with_devices(machine: Machine, devices: list[Any]) -> Machine:
+    """``machine`` with llama.cpp's devices (``DeviceInfo``s, NVML-enriched); a device llama.cpp flags
+    as sharing the host's memory makes the machine a unified-memory one."""
+    unified = machine.unified_memory or any(d.unified_memory for d in devices if d.is_accelerator)
+    return dataclasses.replace(machine, devices=tuple(_enrich_with_nvml(devices, machine.gpus)), unified_memory=unified)
