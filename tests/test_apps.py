@@ -174,6 +174,42 @@ def test_another_llama_cpp_build_is_a_warning(model):
         check_profile(profile, model, machine=make_machine(llama=LlamaBuild()))
 
 
+def test_a_profile_measured_with_the_users_binaries_warns_an_app_running_llama_cpp_python(model):
+    here = make_machine(llama=LlamaBuild(llama_cpp_python="0.3.36"))
+    document = profile_dict(here, model_fingerprint(model))
+    document["engine"] = {"name": "llama-cpp", "build": "b6895 (4341dc8bc)", "path": "/opt/llama.cpp/bin"}
+    profile = Profile.from_dict(document)
+    with pytest.warns(LlamaBuildWarning) as caught:
+        check_profile(profile, model, machine=here)
+    assert str(caught[0].message) == (
+        f"profile {profile.name} was measured with llama.cpp binaries (build b6895 (4341dc8bc), /opt/llama.cpp/bin); "
+        "this app runs llama-cpp-python 0.3.36: speed and memory use may differ; tune with --engine python to measure "
+        "the llama.cpp this app runs"
+    )
+
+
+def test_an_app_running_binaries_is_warned_only_when_their_build_differs(model, llama_bin):
+    from tuner.engine.llamacpp import LlamaCppEngine
+
+    with LlamaCppEngine(llama_bin) as engine:
+        theirs = engine.build().describe()
+    here = make_machine()
+    document = profile_dict(here, model_fingerprint(model))
+    document["engine"] = {"name": "llama-cpp", "build": theirs, "path": str(llama_bin)}
+    same = Profile.from_dict(document)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_profile(same, model, machine=here, llama_bin=llama_bin)
+    document["engine"]["build"] = "b6895 (4341dc8bc)"
+    other = Profile.from_dict(document)
+    with pytest.warns(LlamaBuildWarning) as caught:
+        check_profile(other, model, machine=here, llama_bin=llama_bin)
+    assert str(caught[0].message) == (
+        f"profile {other.name} was measured with llama.cpp binaries, llama.cpp build b6895 (4341dc8bc); the binaries in "
+        f"{llama_bin} are build {theirs}: speed and memory use may differ; tune again to be sure"
+    )
+
+
 def test_a_profile_that_still_fits_is_unchanged(model):
     here = make_machine(free=(10 * GiB,))  # 9.5 GiB needed + 256 MiB margin
     profile = Profile.from_dict(profile_dict(here, model_fingerprint(model)))

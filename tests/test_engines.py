@@ -337,3 +337,54 @@ def test_exported_flags_are_checked_by_the_binaries_own_parser(llama_bin, models
     assert Path(parser).name == "llama-bench" and error is None
     parser, error = check_exported_flags("llama-server", [*s.cli_args("llama-server"), "--no-such-flag"], llama_bin)
     assert error == "error: invalid argument: --no-such-flag"
+
+
+def test_profile_args_checks_the_flags_with_the_installed_tool(llama_bin, tmp_path):
+    from click.testing import CliRunner
+
+    from tests.test_exports import full_profile
+    from tuner.cli.profile import profile_group
+
+    path = full_profile().replace(path=None).write(tmp_path / "p.json")
+    out = CliRunner().invoke(profile_group, ["args", str(path), "--for", "llama-server", "--llama-bin",
+                                                              str(llama_bin)])
+    assert out.exit_code == 0 and out.stderr == "" and out.stdout.startswith("llama-server -m ")
+    # an older build: its parser does not know --no-op-offload
+    old = tmp_path / "old"
+    real = Path(llama_bin) / "llama-fit-params"
+    old.mkdir()
+    script = old / "llama-fit-params"
+    script.write_text(f"""#!/bin/sh
+case " $* " in
+  *" --no-op-offload "*) echo "error: invalid argument: --no-op-offload" >&2; exit 1;;
+esac
+exec {real} "$@"
+""")
+    script.chmod(0o755)
+    out = CliRunner().invoke(profile_group, ["args", str(path), "--llama-bin", str(old)])
+    assert out.exit_code == 0 and out.stdout.startswith("llama-server -m ")  # the flags are still printed
+    assert out.stderr == (f"warning: {script} does not accept these flags: error: invalid argument: --no-op-offload "
+                          "(an older llama.cpp? upgrade it, or drop that setting)\n")
+
+
+def test_estimate_compare_fit_prints_llama_cpps_projection_beside_ours(llama_bin, models, rpc_servers):
+    from click.testing import CliRunner
+
+    from tuner.cli.main import cli
+
+    (server,) = rpc_servers(1)
+    out = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "-ngl", "3", "-c", "1024", "--compare-fit",
+                                   "--llama-bin", str(llama_bin), "--rpc", server.endpoint, "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    rows = {r["device"]: r for r in data["devices"]}
+    device = f"RPC0[{server.endpoint}]"
+    assert set(rows) == {"CPU", device}
+    ours, theirs = rows[device]["ours"], rows[device]["llama_cpp"]
+    assert abs(ours["weights"] - theirs["weights"]) <= MiB  # llama.cpp prints whole MiB
+    assert theirs["total"] == theirs["weights"] + theirs["context"] + theirs["compute"]
+    text = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "-ngl", "3", "-c", "1024", "--compare-fit",
+                                    "--llama-bin", str(llama_bin), "--rpc", server.endpoint])
+    assert text.exit_code == 0 and device in text.output and "llama.cpp's projection from llama-fit-params" in text.output
+    missing = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "-c", "1024", "--compare-fit", "--llama-bin", str(llama_bin)])
+    assert missing.exit_code == 2 and "--compare-fit needs --n-gpu-layers" in missing.output
