@@ -19,7 +19,7 @@ import warnings
 from tuner.profile.apps import load_profile
 from tuner.errors import TunerError
 from tuner.profile.exports import tool_args
-from tuner.profile.document import ProfileWarning
+from tuner.profile.document import LlamaBuildWarning, ProfileWarning
 
 
 def main() -> int:
@@ -35,17 +35,22 @@ def main() -> int:
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ProfileWarning)  # the changes are printed below instead
+    server = args.server_bin or shutil.which("llama-server")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ProfileWarning)  # printed below, one line each
         try:
-            profile = load_profile(args.model, strict=args.strict)
+            # llama_bin: this app runs llama.cpp's binaries, so a profile measured on another build says so
+            folder = os.path.dirname(os.path.abspath(server)) if server and os.path.isfile(server) else None
+            profile = load_profile(args.model, strict=args.strict, llama_bin=folder)
         except TunerError as exc:
             print(f"cannot use a profile: {exc}", file=sys.stderr)
             return 1
+    for warning in caught:
+        if issubclass(warning.category, LlamaBuildWarning):
+            print(f"note: {warning.message}", file=sys.stderr)
     for change in profile.degradation:
         print(f"changed to fit now: {change}", file=sys.stderr)
 
-    server = args.server_bin or shutil.which("llama-server")
     command = [
         server or "llama-server",
         *tool_args(profile, "llama-server", model_path=os.fspath(args.model)),

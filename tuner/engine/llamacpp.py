@@ -60,13 +60,8 @@ TOOLS = ("llama-bench", "llama-fit-params", "llama-server", "llama-cli")
 # Tools whose arguments go through common/arg.cpp's parser (the one llama-server and llama-cli use).
 COMMON_PARSERS = ("llama-server", "llama-cli", "llama-fit-params")
 
-# Which setting a llama-bench flag carries, for a binary too old for it.
-_FLAG_SETTING = {
-    "-ngl": "n_gpu_layers", "-sm": "split_mode", "-mg": "main_gpu", "-ts": "tensor_split", "-b": "n_batch",
-    "-ub": "n_ubatch", "-t": "n_threads", "-fa": "flash_attn", "-ctk": "type_k", "-ctv": "type_v",
-    "-nkvo": "offload_kqv", "-lm": "use_mmap/use_mlock", "-nopo": "op_offload", "-ot": "tensor_overrides",
-    "--rpc": "rpc_servers", "-d": "the benchmark depth (--depth)", "--no-warmup": "warm-up off",
-}
+# The benchmark's own flags (the settings' flags come from tuner.engine.dimensions).
+_BENCH_SHAPE_FLAGS = {"-d": "the benchmark depth (--depth)", "--no-warmup": "the warm-up turned off"}
 
 # common/build-info.cpp llama_print_build_info: "version: %s (build %d, commit %s)" (2026);
 # before: "version: %d (%s)" with the build number and commit.
@@ -337,7 +332,7 @@ class LlamaCppEngine(Engine):
             if unknown:
                 flag = unknown[0]
                 rejected = (f"llama-bench in {self.binaries.folder} ({self.build().describe()}) does not know {flag} "
-                            f"({_FLAG_SETTING.get(flag, 'that setting')}): it is too old for it; upgrade llama.cpp, "
+                            f"({_setting_of_flag(settings, flag)}): it is too old for it; upgrade llama.cpp, "
                             "or leave that setting at llama.cpp's default")
         if rejected is None and self.check_context_memory:
             rejected_oom = self._context_memory_check(settings)
@@ -518,6 +513,28 @@ class LlamaCppEngine(Engine):
         return check_exported_flags(tool, args, self.binaries.folder, env=self.env)
 
 
+def binaries_build(folder: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> EngineBuild:
+    """The build of the llama.cpp tools in ``folder`` (whichever answers ``--version``: llama-server,
+    llama-cli, llama-bench, llama-fit-params), for an app that runs them without llama-bench."""
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise EngineError(f"{path}: no such folder")
+    for tool in ("llama-server", "llama-cli", "llama-bench", "llama-fit-params"):
+        binary = path / _exe(tool)
+        if not binary.is_file():
+            continue
+        try:
+            proc = subprocess.run([str(binary), "--version"], capture_output=True, text=True, errors="replace",
+                                  env=clean_env(env), timeout=60, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        info = parse_version(proc.stdout + "\n" + proc.stderr)
+        if info.get("build_number") is not None or info.get("commit"):
+            return EngineBuild(engine="llama-cpp", build_number=info.get("build_number"), commit=info.get("commit"),
+                               version=info.get("version"), path=str(path.resolve()), detail=info.get("detail"))
+    raise EngineError(f"{path}: no llama.cpp tool there says its build (--version)")
+
+
 def check_exported_flags(tool: str, args: Sequence[str], llama_bin: str | os.PathLike[str] | None = None, *,
                          env: dict[str, str] | None = None) -> tuple[str, str | None] | None:
     """Whether llama.cpp's own parser accepts ``args`` for ``tool`` (llama-server, llama-cli or
@@ -626,6 +643,19 @@ def _tail(text: str) -> str:
     return f": {lines[-1][:300]}" if lines else ""
 
 
+def _setting_of_flag(settings: Settings, flag: str) -> str:
+    """The setting whose llama-bench flag ``flag`` is, read from the dimension table."""
+    from .dimensions import DIMENSIONS, Export
+
+    if flag in _BENCH_SHAPE_FLAGS:
+        return _BENCH_SHAPE_FLAGS[flag]
+    for dim in DIMENSIONS:
+        writer = dim.flags.get("llama-bench")
+        if writer is not None and flag in writer(settings, Export(tool="llama-bench")):
+            return dim.name
+    return "that setting"
+
+
 def _drop_flags(args: list[str], flags: set[str]) -> list[str]:
     """``args`` without the given value-taking flags and their values."""
     out: list[str] = []
@@ -664,4 +694,5 @@ def _apply_fit(settings: Settings, answer: str) -> Settings:
     return settings.replace(**changes)
 
 
-__all__ = ["LlamaCppEngine", "Binaries", "find_binaries", "parse_version", "clean_env", "check_exported_flags", "TOOLS"]
+__all__ = ["LlamaCppEngine", "Binaries", "find_binaries", "binaries_build", "parse_version", "clean_env",
+           "check_exported_flags", "TOOLS"]

@@ -220,10 +220,14 @@ def _app_build(llama_bin: str | os.PathLike[str] | None) -> "EngineBuild | None"
     """The build of the binaries an app runs (their --version); None: the app runs llama-cpp-python."""
     if llama_bin is None:
         return None
-    from ..engine.llamacpp import LlamaCppEngine
+    from ..engine.base import EngineBuild
+    from ..engine.llamacpp import binaries_build
+    from ..errors import EngineError
 
-    with LlamaCppEngine(llama_bin) as engine:
-        return engine.build()
+    try:
+        return binaries_build(llama_bin)
+    except EngineError as exc:  # binaries that do not say their build: compared as unknown
+        return EngineBuild(engine="llama-cpp", path=os.fspath(llama_bin), error=str(exc))
 
 
 def _check(
