@@ -95,3 +95,6 @@ def test_cli_tune_and_probe_with_llama_bin(models, llama_bin, tuner_home):
     assert out.exit_code == 0, out.output
     assert "measured with: llama-cpp engine, llama.cpp " in out.output
     assert "(accepted by your binaries' own parser: llama-fit-params)" in out.output
+    path = next(line.split(": ", 1)[1] for line in out.output.splitlines() if line.startswith("profile: "))
+    shown = CliRunner().invoke(cli, ["profile", "show", path])
+    assert shown.exit_code == 0 and f"llama.cpp your binaries ({llama_bin}), build " in shown.output

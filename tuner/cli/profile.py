@@ -133,6 +133,15 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         )
 
 
+def _llama_line(p: Profile) -> str:
+    """Which llama.cpp measured the profile: the engine and its build (a 1.0 profile: llama-cpp-python)."""
+    backends = ", ".join(p.llama_build.backends) or "none recorded"
+    if p.engine is not None and p.engine.name == "llama-cpp":
+        return f"  llama.cpp your binaries ({p.engine.path or '?'}), build {p.engine.build}, backends {backends}"
+    return (f"  llama.cpp llama-cpp-python {p.llama_build.llama_cpp_python or '?'}, build {p.llama_build.llama_cpp_build or '?'}, "
+            f"backends {backends}")
+
+
 @profile_group.command("show")
 @click.argument("profile")
 @click.option("--json", "as_json", is_flag=True, help="The profile document itself.")
@@ -158,8 +167,7 @@ def show_command(profile: str, as_json: bool) -> None:
         f"{p.model.n_layer} layers, {format_bytes(p.model.size)}, header {p.model.header_hash[:12]}",
         f"  machine   {p.machine.describe()}; {p.machine.physical_cores} cores, {format_bytes(p.machine.ram_total)} RAM; "
         f"{p.machine.system} {p.machine.arch}; fingerprint {p.machine.fingerprint}, hardware class {p.machine.hardware_class}",
-        f"  llama.cpp llama-cpp-python {p.llama_build.llama_cpp_python or '?'}, build {p.llama_build.llama_cpp_build or '?'}, "
-        f"backends {', '.join(p.llama_build.backends) or 'none recorded'}",
+        _llama_line(p),
         f"  objective {p.objective}; min_ctx {p.min_ctx}",
         f"  measured  tg {m.tg.median:g} t/s (95% CI {m.tg.ci_low:g}-{m.tg.ci_high:g}), "
         f"pp {m.pp.median:g} t/s (95% CI {m.pp.ci_low:g}-{m.pp.ci_high:g}); "
