@@ -3,12 +3,16 @@
 1. Parity: for the same settings on the demo model, pp and tg from the python engine
    (llama-cpp-python's worker), the llama-cpp engine (llama-bench through the tuner) and llama-bench
    run directly, in interleaved rounds (the order rotates each round, so drift on a shared machine
-   falls on all three alike). Prints the medians and each engine's ratio to llama-bench run directly.
-   Target: within 5%.
-2. Keeping the model loaded: the llama-cpp engine loads the model once per trial. Prints what that
-   costs per trial (wall time outside the timed samples), next to the python engine reusing its
-   loaded model for context-only trials, and what llama-bench's own multi-value run (several
-   context-only candidates in one invocation, one load) would save.
+   falls on all three alike). Prints the medians, and each engine's ratio to llama-bench run
+   directly: the ratio of the medians and the median of the per-round (paired) ratios.
+   Target: within 5%. One thread by default: on a shared machine with as many busy threads as
+   cores, a second compute thread waits on the first whenever it is preempted, and the figures
+   scatter several-fold (``--threads`` to change it).
+2. Keeping the model loaded: the llama-cpp engine loads the model for every trial. Prints llama.cpp's
+   own model load time per trial (its ``load time`` line) and its share of the trial, next to the
+   python engine, which reuses its loaded model for context-only trials: the most that keeping the
+   model loaded with the binaries (one llama-server per model, or llama-bench's multi-value runs)
+   could save per trial.
 3. A 12-trial tune of the demo (Q8_0 and Q4_K_M, as ``tune --demo``) on each engine: seconds.
 
 The binaries are llama-bench and llama-fit-params built from the sources that match the installed
@@ -35,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quant", default="Q4_K_M")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--n-prompt", type=int, default=256)
-    parser.add_argument("--n-gen", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--n-prompt", type=int, default=128)
+    parser.add_argument("--n-gen", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tune-trials", type=int, default=12)
     parser.add_argument("--skip-tune", action="store_true")
     args = parser.parse_args()
@@ -59,46 +63,37 @@ def main() -> int:
                             n_threads=args.threads, n_threads_batch=args.threads, flash_attn="on")
         bench = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=args.repetitions)
         samples = {name: {"pp": [], "tg": []} for name in ("python", "llama-cpp", "llama-bench")}
-        overhead = {"python": [], "llama-cpp": []}
+        per_round: list[dict[str, dict[str, float]]] = []
+        loads = {"python": [], "llama-cpp": []}
         with TrialRunner() as python, LlamaCppEngine(llama_bin, timeout_s=900) as binaries:
             direct = [str(llama_bin / "llama-bench"), *binaries.bench_args(settings, bench), "-o", "json"]
 
-            def run_direct() -> None:
+            def run_direct() -> dict[str, list[float]]:
                 proc = subprocess.run(direct, capture_output=True, text=True, env=clean_env(), timeout=900)
                 if proc.returncode != 0:
                     raise SystemExit(proc.stderr[-2000:])
+                got: dict[str, list[float]] = {"pp": [], "tg": []}
                 for row in json.loads(proc.stdout):
-                    samples["llama-bench"]["tg" if row["n_gen"] else "pp"].extend(row["samples_ts"])
+                    got["tg" if row["n_gen"] else "pp"].extend(row["samples_ts"])
+                return got
 
-            def run_engine(name: str, engine) -> None:
+            def run_engine(name: str, engine) -> dict[str, list[float]]:
                 result = engine.run(settings, bench)
                 if not result.ok:
                     raise SystemExit(f"{name}: {result.message}")
-                samples[name]["pp"].extend(result.pp.samples)
-                samples[name]["tg"].extend(result.tg.samples)
-                timed = sum(args.n_prompt / x for x in result.pp.samples) + sum(args.n_gen / x for x in result.tg.samples)
-                overhead[name].append((result.wall_s - timed, result.reused_model))
+                loads[name].append((result.load_s, result.wall_s, result.reused_model))
+                return {"pp": list(result.pp.samples), "tg": list(result.tg.samples)}
 
             order = [("python", lambda: run_engine("python", python)), ("llama-cpp", lambda: run_engine("llama-cpp", binaries)),
                      ("llama-bench", run_direct)]
             for r in range(args.rounds):
-                for _, step in order[r % 3:] + order[: r % 3]:
-                    step()
-
-            # What keeping the model loaded would save with llama-bench: three context-only candidates
-            # (n_ubatch 128, 256, 512) as one multi-value invocation against three invocations.
-            small = BenchSpec(n_prompt=64, n_gen=16, repetitions=1)
-            base = binaries.bench_args(settings, small)
-            ub = base.index("-ub")
-            started = time.monotonic()
-            for value in ("128", "256", "512"):
-                subprocess.run([*direct[:1], *base[:ub + 1], value, *base[ub + 2:], "-o", "json"], capture_output=True,
-                               env=clean_env(), check=True, timeout=900)
-            separate = time.monotonic() - started
-            started = time.monotonic()
-            subprocess.run([*direct[:1], *base[:ub + 1], "128,256,512", *base[ub + 2:], "-o", "json"], capture_output=True,
-                           env=clean_env(), check=True, timeout=900)
-            together = time.monotonic() - started
+                this_round: dict[str, dict[str, float]] = {}
+                for name, step in order[r % 3:] + order[: r % 3]:
+                    got = step()
+                    for kind in ("pp", "tg"):
+                        samples[name][kind].extend(got[kind])
+                    this_round[name] = {kind: statistics.median(got[kind]) for kind in ("pp", "tg")}
+                per_round.append(this_round)
             build = binaries.build().describe()
 
         print(f"model {model.name}, {args.threads} threads, fa on, -p {args.n_prompt} -n {args.n_gen}; llama.cpp {build}")
@@ -109,18 +104,20 @@ def main() -> int:
             line = [f"{kind}: llama-bench direct {ref:8.1f} t/s"]
             for name in ("python", "llama-cpp"):
                 med = statistics.median(samples[name][kind])
-                ratio = med / ref
+                paired = [r[name][kind] / r["llama-bench"][kind] for r in per_round]
+                ratio = statistics.median(paired)
                 target_met &= abs(ratio - 1) <= 0.05
-                line.append(f"{name} engine {med:8.1f} t/s (ratio {ratio:.3f})")
-            print("   ".join(line))
-        print("target (each engine within 5% of llama-bench run directly):", "met" if target_met else "NOT met")
-        for name, values in overhead.items():
-            first, rest = values[0][0], [v for v, _ in values[1:]]
-            reused = sum(1 for _, r in values if r)
-            print(f"{name} engine: seconds per trial outside the timed samples: first {first:.2f}, then median "
-                  f"{statistics.median(rest) if rest else float('nan'):.2f} ({reused} of {len(values)} trials reused a loaded model)")
-        print(f"llama-bench, 3 context-only candidates (-ub 128/256/512, -p 64 -n 16 -r 1): three runs {separate:.2f} s, "
-              f"one multi-value run {together:.2f} s (saves {separate - together:.2f} s, {100 * (separate - together) / separate:.0f}%)")
+                line.append(f"{name} engine {med:8.1f} t/s (ratio of medians {med / ref:.3f}, median paired ratio {ratio:.3f}, "
+                            f"rounds {min(paired):.2f}-{max(paired):.2f})")
+            print("\n   ".join(line))
+        print("target (each engine's median paired ratio within 5% of llama-bench run directly):",
+              "met" if target_met else "NOT met")
+        for name, values in loads.items():
+            loaded = [(load, wall) for load, wall, reused in values if not reused]
+            reused = sum(1 for *_, r in values if r)
+            share = statistics.median(load / wall for load, wall in loaded) if loaded else 0.0
+            print(f"{name} engine: model loads in {len(loaded)} of {len(values)} trials, median {statistics.median(l for l, _ in loaded) if loaded else 0:.2f} s "
+                  f"({100 * share:.1f}% of such a trial's wall time); {reused} trials reused the loaded model")
 
         if not args.skip_tune:
             from tuner.search.study import tune
