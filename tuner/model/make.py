@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
