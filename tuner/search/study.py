@@ -349,10 +349,11 @@ class Tuner:
     def _enqueue_fit_seed(self, study: Any, engine: Any, base: Settings) -> None:
         """llama.cpp's own fitter as one more seed, where the engine has it: its choice of layers, split
         and tensor placement for the first seed's other settings, measured like any other candidate."""
-        if not self.space.has_gpu:
-            return  # nothing to fit: every layer runs on the CPU
+        fit = getattr(engine, "fit", None)  # an engine object without the Engine interface has none
+        if fit is None or not self.space.has_gpu:
+            return  # nothing to fit with, or nothing to fit: every layer runs on the CPU
         try:
-            answer = engine.fit(base, margin=self.margin, min_ctx=self.min_ctx)
+            answer = fit(base, margin=self.margin, min_ctx=self.min_ctx)
         except TunerError as exc:
             self.emit({"kind": "fit_seed", "settings": None, "message": f"llama.cpp's fitter failed: {exc}"})
             return
