@@ -73,7 +73,7 @@ def test_the_space_is_built_on_each_machines_own_devices(models):
         tuner = tuner_on(machine, models)
         assert [d.name for d in tuner.space.devices] == expected, name
         dims = tuner.space.dimensions()
-        assert dims["n_gpu_layers"] == (0, 5) and "placements" in dims  # offload is searched
+        assert dims["n_gpu_layers"] == (0, 5) and "placement" in dims  # offload is searched
         assert ("unified memory" in tuner.space.excluded.get("note", "")) is unified
         # the estimate and the pre-launch check speak the same names
         s = tuner.space.settings(variant=str(models["q8_0"]), n_gpu_layers=5, n_ctx=512, kv="f16", flash_attn="on",

@@ -388,3 +388,28 @@ def test_estimate_compare_fit_prints_llama_cpps_projection_beside_ours(llama_bin
     assert text.exit_code == 0 and device in text.output and "llama.cpp's projection from llama-fit-params" in text.output
     missing = CliRunner().invoke(cli, ["estimate", str(models["q8_0"]), "-c", "1024", "--compare-fit", "--llama-bin", str(llama_bin)])
     assert missing.exit_code == 2 and "--compare-fit needs --n-gpu-layers" in missing.output
+
+
+def test_the_settings_llama_bench_can_set_come_from_its_help_and_the_dimension_table(llama_bin, models, tmp_path):
+    from tuner.engine.llamacpp import LlamaCppEngine
+    from tuner.search.study import Tuner
+
+    with LlamaCppEngine(llama_bin) as engine:
+        supported = engine.supported_settings()
+        # llama-bench has no option for these: it always runs them at llama.cpp's own value
+        assert {"swa_full", "kv_unified"}.isdisjoint(supported)
+        assert {"n_gpu_layers", "tensor_split", "type_k", "flash_attn", "op_offload", "use_mlock", "n_cpu_moe"} <= supported
+        refused = engine.run(settings(models["q8_0"], swa_full=True), QUICK)
+        assert refused.outcome is Outcome.BAD_SETTINGS
+        assert refused.message == ("swa_full True cannot be measured with llama-bench: llama-bench always runs swa_full "
+                                   "false (llama-bench.cpp, to_llama_cparams)")
+        tuner = Tuner(str(models["q8_0"]), trials=1, engine=engine, min_ctx=512, n_prompt=32, n_gen=8)
+        assert tuner.space.supported == supported  # the search asks only what the engine can set
+    real = Path(llama_bin) / "llama-bench"
+    _wrapper(tmp_path / "old", """case " $* " in
+  *" --help "*) REAL --help | grep -v -- '-nopo'; exit 0;;
+esac
+exec REAL "$@"
+""", real)
+    with LlamaCppEngine(tmp_path / "old") as old:
+        assert "op_offload" not in old.supported_settings()

@@ -243,16 +243,19 @@ def test_round_trip_keeps_every_key():
     profile.validate()
 
 
-def test_a_1_0_profile_without_engine_or_devices_still_loads():
-    document = profile_dict()
-    document["schema_version"] = "1.0"
-    del document["engine"]
-    del document["machine"]["devices"]
+def test_a_1_2_profile_loads_without_engine_and_is_written_back_as_1_2():
+    document = _before_1_3(profile_dict())
+    document["schema_version"] = "1.2"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         profile = Profile.from_dict(document)
     assert profile.engine is None and profile.machine.devices == ()
-    assert profile.schema_version == "1.0"
+    assert profile.to_dict() == json.loads(json.dumps(document))  # a 1.2 reader still accepts it
+    # given an engine, it can only be said in 1.3
+    from tuner.profile.document import EngineInfo
+
+    measured = profile.replace(engine=EngineInfo("llama-cpp", "b6895 (4341dc8bc)", "/opt/llama.cpp/bin"))
+    assert measured.to_dict()["schema_version"] == "1.3"
 
 
 @pytest.mark.parametrize(
@@ -336,17 +339,17 @@ def test_unknown_major_schema_version_is_refused():
 
 def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
     document = profile_dict()
-    document["schema_version"] = "1.3"
+    document["schema_version"] = "1.9"
     document["energy"] = {"joules_per_token": 0.4}
     document["settings"]["numa"] = "distribute"
     document["measured"]["tg"]["p90"] = 150.0
     with pytest.warns(SchemaVersionWarning) as caught:
         profile = Profile.from_dict(document)
     assert [str(w.message) for w in caught] == [
-        f"profile schema 1.3 is newer than this tool ({SCHEMA_VERSION}); loading it; ignoring what it does not know: "
+        f"profile schema 1.9 is newer than this tool ({SCHEMA_VERSION}); loading it; ignoring what it does not know: "
         "energy, settings.numa, measured.tg.p90. Upgrade offload-tuner to use everything in it"
     ]
-    assert profile.schema_version == "1.3"
+    assert profile.schema_version == "1.9"
     assert profile.settings.n_ctx == 32768
 
 
@@ -357,8 +360,16 @@ def test_newer_minor_without_unknown_keys_warns_too():
         Profile.from_dict(document)
 
 
+def _before_1_3(document: dict) -> dict:
+    """A document as 1.2 (and before) wrote it: without the engine and device list 1.3 added."""
+    document.pop("engine", None)
+    document["machine"].pop("devices", None)
+    return document
+
+
 def _before_1_2(document: dict) -> dict:
-    """A document as 1.0 and 1.1 wrote it: without the settings and sizing keys 1.2 added."""
+    """A document as 1.0 and 1.1 wrote it: without the settings and sizing keys 1.2 added (nor 1.3's)."""
+    _before_1_3(document)
     for settings in (document["settings"], (document.get("runner_up") or {}).get("settings", {})):
         for key in ("swa_full", "n_cpu_moe", "kv_unified"):
             settings.pop(key, None)

@@ -239,6 +239,11 @@ class Engine(abc.ABC):
         the engine has one; None where it has not."""
         return None
 
+    def supported_settings(self) -> frozenset[str] | None:
+        """The settings this engine can set (the search leaves the others at their defaults, saying
+        why); None: every one."""
+        return None
+
     def fit_memory(self, settings: Settings) -> dict[str, dict[str, int]] | None:
         """llama.cpp's own projection of memory per device for ``settings`` (without allocating),
         ``{device: {weights, kv, compute}}`` in bytes, where the engine can ask for it."""

@@ -300,6 +300,28 @@ class LlamaCppEngine(Engine):
 
     # -- one trial ------------------------------------------------------------------------------------
 
+    def supported_settings(self) -> frozenset[str]:
+        """The settings this llama-bench can set: those whose flag its --help lists (from the
+        dimension table's llama-bench spellings), and the ones handled without a flag (the model, the
+        context: sized by llama.cpp's projection, the batch thread count: llama-bench's -t sets both).
+        ``swa_full`` and ``kv_unified`` are not among them: llama-bench has no option for them."""
+        from .dimensions import DIMENSIONS, Export
+
+        known = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", self._help_text("llama-bench")))
+        out = {"model_path", "n_ctx", "n_threads_batch"}
+        for dim in DIMENSIONS:
+            writer = dim.flags.get("llama-bench")
+            if writer is None:
+                continue
+            probe = _non_default(dim)
+            words = writer(probe, Export(tool="llama-bench")) if probe is not None else []
+            flags = [w for w in words if w.startswith("-") and not re.fullmatch(r"-\d.*", w)]
+            if all(f in known for f in flags):
+                out.add(dim.name)
+        # a setting another one's flag carries (use_mlock in -lm)
+        out |= {dim.name for dim in DIMENSIONS if dim.spelled_by and dim.spelled_by in out}
+        return frozenset(out)
+
     def bench_args(self, settings: Settings, bench: BenchSpec) -> list[str]:
         """llama-bench's argv (without the program) for one trial: the settings' flags from
         ``Settings.cli_args`` (the one place flags are spelled), then the bench's shape."""
@@ -321,6 +343,14 @@ class LlamaCppEngine(Engine):
         if settings.n_threads_batch is not None and settings.n_threads_batch != settings.n_threads:
             return (f"llama-bench runs prompt and generation with one thread count (-t): n_threads_batch "
                     f"{settings.n_threads_batch} differs from n_threads {settings.n_threads}; use the python engine for that")
+        from .dimensions import DIMENSIONS
+
+        for dim in DIMENSIONS:
+            # a setting llama-bench has no option for runs at llama-bench's own value: only that one
+            # can be measured (the context and the batch thread count are handled above)
+            why = dim.no_flag.get("llama-bench")
+            if why and dim.name not in ("n_ctx", "n_threads_batch") and getattr(settings, dim.name) != dim.default:
+                return f"{dim.name} {getattr(settings, dim.name)!r} cannot be measured with llama-bench: {why}"
         return None
 
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
@@ -641,6 +671,24 @@ def _first_error(text: str) -> str | None:
 def _tail(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return f": {lines[-1][:300]}" if lines else ""
+
+
+def _non_default(dim: Any) -> Settings | None:
+    """Settings with ``dim`` away from its default, to see which flag it writes (None where no such
+    value validates)."""
+    default = dim.default
+    number = default + 1 if isinstance(default, int) and not isinstance(default, bool) else 1
+    candidates: list[Any] = {
+        "bool": [not default], "int": [number, 1, 2], "count": [number, 1, 2],
+        "choice": [c for c in dim.choices if c != default][:1], "proportions": [(1.0, 1.0)],
+        "patterns": [("x",)], "endpoints": [("127.0.0.1:1",)],
+    }.get(dim.kind, [])
+    for value in candidates:
+        try:
+            return Settings(model_path="m.gguf", **{dim.name: value})
+        except (ValueError, TypeError):
+            continue
+    return None
 
 
 def _setting_of_flag(settings: Settings, flag: str) -> str:

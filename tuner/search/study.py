@@ -265,6 +265,7 @@ class Tuner:
             list(self.models.values()), devices=self.devices, physical_cores=self.machine.physical_cores,
             logical_cores=self.machine.logical_cores, min_ctx=min_ctx, n_prompt=n_prompt, rpc_servers=self.rpc_servers,
             unified_memory=self.machine.unified_memory,
+            supported=engine.supported_settings() if hasattr(engine, "supported_settings") else None,
         )
         if space_overrides:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
