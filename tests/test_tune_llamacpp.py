@@ -15,7 +15,9 @@ from tuner.search.study import Tuner
 from tuner.testing import DEMO_SHAPE, ModelShape, make_model, quantize
 
 MiB = 1 << 20
-ONLY_THE_VARIANT = {"kv_types": ("f16",), "flash_attn": ("on",), "threads": (2,), "n_ubatch": (512,), "n_ctx": (1024,)}
+# One thread: on a shared 2-core machine a second compute thread waits on the first whenever it is
+# preempted, and speeds scatter several-fold (benchmarks/engines.py); one thread measures steadily.
+ONLY_THE_VARIANT = {"kv_types": ("f16",), "flash_attn": ("on",), "threads": (1,), "n_ubatch": (512,), "n_ctx": (1024,)}
 
 
 def test_a_tune_of_an_f32_q8_0_q4_k_m_family_picks_q4_k_m_and_names_the_engine(tmp_path, llama_bin, tuner_home):
@@ -27,7 +29,7 @@ def test_a_tune_of_an_f32_q8_0_q4_k_m_family_picks_q4_k_m_and_names_the_engine(t
     events = []
     with LlamaCppEngine(llama_bin, timeout_s=600) as engine:
         tuner = Tuner(str(f32), variants=[str(q8), str(q4)], trials=3, min_ctx=1024, n_prompt=32, n_gen=16, repetitions=2,
-                      final_repetitions=4, final_rounds=4, final_candidates=2, vram_margin=0, engine=engine,
+                      final_repetitions=6, final_rounds=6, final_candidates=2, vram_margin=0, engine=engine,
                       on_event=events.append, space_overrides=ONLY_THE_VARIANT)
         assert tuner.space.dimensions() == {"variant": ["fam-F32.gguf", "fam-Q8_0.gguf", "fam-Q4_K_M.gguf"]}
         result = tuner.run()
@@ -37,13 +39,13 @@ def test_a_tune_of_an_f32_q8_0_q4_k_m_family_picks_q4_k_m_and_names_the_engine(t
     outcomes = [e["outcome"] for e in events if e["kind"] == "result"]
     assert outcomes == ["ok"] * 3
     remeasure = next(e for e in events if e["kind"] == "remeasure")
-    assert remeasure["paired"] and remeasure["repetitions"] == 4  # side by side, in rotating rounds
+    assert remeasure["paired"] and remeasure["repetitions"] == 6  # side by side, in rotating rounds
     profile = Profile.from_dict(json.loads(result.profile_path.read_text()))
     assert profile.settings.model_path == str(q4), [(c["settings"]["model_path"], c["value"]) for c in [result.best]]
     assert profile.engine is not None and profile.engine.name == "llama-cpp"
     assert profile.engine.build == build.describe() and build.commit and profile.engine.path == str(llama_bin)
     assert profile.llama_build.llama_cpp_python is None and profile.llama_build.llama_cpp_build == build.describe()
-    assert len(profile.measured.tg.samples) == 4
+    assert len(profile.measured.tg.samples) == 6
     # the exported flags went through the binaries' own parser
     assert result.flags_check == {"tool": "llama-server", "parser": str(llama_bin / "llama-fit-params"), "accepted": True,
                                   "error": None}
