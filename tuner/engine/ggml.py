@@ -151,3 +151,62 @@ def list_devices() -> list[dict]:
             entry.update(name=rpc_label(index, endpoint), ggml_name=name, rpc_endpoint=endpoint, unified_memory=False)
         out.append(entry)
     return out
+
+
+class ThreadpoolParams(ctypes.Structure):
+    # struct ggml_threadpool_params (ggml/include/ggml.h; GGML_MAX_N_THREADS is 512), as vendored by
+    # llama-cpp-python 0.3.36
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * 512),
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+class Threadpools:
+    """The CPU threadpools llama-bench attaches to its context, made the way it makes them
+    (tools/llama-bench/llama-bench.cpp: ``ggml_threadpool_params_default(n_threads)``, ``poll`` 50,
+    ``ggml_threadpool_new``, ``llama_attach_threadpool``): one for generation, one for batches when
+    their thread counts differ.
+
+    Without one, ggml's CPU backend makes and frees a threadpool for every graph it computes, once
+    per generated token: 14% more CPU per token than llama-bench at one thread on a small model, a
+    gap the trial worker's figures showed at high speeds. Free it after the context (``free``).
+    If this llama.cpp build lacks a symbol, nothing is attached (``attached`` says so)."""
+
+    def __init__(self, ctx: int, n_threads: int, n_threads_batch: int, poll: int = 50) -> None:
+        self.pools: list[int] = []
+        self.attached = False
+        try:
+            base, cpu, llama = load("ggml-base"), load("ggml-cpu"), load("llama")
+            base.ggml_threadpool_params_default.restype = ThreadpoolParams
+            base.ggml_threadpool_params_default.argtypes = [ctypes.c_int]
+            cpu.ggml_threadpool_new.restype = ctypes.c_void_p
+            cpu.ggml_threadpool_new.argtypes = [ctypes.POINTER(ThreadpoolParams)]
+            cpu.ggml_threadpool_free.restype = None
+            cpu.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+            llama.llama_attach_threadpool.restype = None
+            llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        except (OSError, AttributeError):
+            return
+        self._free = cpu.ggml_threadpool_free
+        for n in dict.fromkeys((n_threads, n_threads_batch)):  # (one pool when the counts agree)
+            params = base.ggml_threadpool_params_default(max(1, int(n)))
+            params.poll = poll
+            pool = cpu.ggml_threadpool_new(ctypes.byref(params))
+            if not pool:
+                self.free()
+                return
+            self.pools.append(pool)
+        batch = self.pools[-1] if len(self.pools) > 1 else None
+        llama.llama_attach_threadpool(ctx, self.pools[0], batch)
+        self.attached = True
+
+    def free(self) -> None:
+        """Free the pools; the context they were attached to must be freed already."""
+        pools, self.pools = self.pools, []
+        for pool in pools:
+            self._free(pool)

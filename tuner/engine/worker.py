@@ -46,6 +46,7 @@ class Worker:
         self.keepalive: list[Any] = []
         self.registered_rpc: set[str] = set()
         self.watchdog: Any = None  # tuner.engine.process.Watchdog, started by main()
+        self.threadpools: dict[Any, Any] = {}  # context -> its ggml.Threadpools
 
         @llama_cpp.llama_log_callback
         def on_log(level: int, text: bytes, user_data: Any) -> None:  # every level, debug too
@@ -146,14 +147,29 @@ class Worker:
             return None, keep, "llama.cpp failed to load the model", seconds
         return model, keep, None, seconds
 
-    def new_context(self, s: dict[str, Any], model: Any = None):
+    def new_context(self, s: dict[str, Any], model: Any = None, *, threadpools: bool = False):
+        """A context for ``s``; with ``threadpools``, the CPU threadpools llama-bench attaches
+        (``ggml.Threadpools``): contexts that measure speed have them, and ``free_context`` frees them."""
         lc = self.llama_cpp
         params = lc.llama_context_default_params()
         _set_fields(params, "context", Settings.from_dict(s))
         params.n_seq_max = 1
         params.no_perf = False
         _log(f"{LOG_MARK} context begins\n")
-        return lc.llama_init_from_model(model or self.model, params)
+        ctx = lc.llama_init_from_model(model or self.model, params)
+        if ctx and threadpools:
+            from .ggml import Threadpools
+
+            pools = Threadpools(ctx, lc.llama_n_threads(ctx), lc.llama_n_threads_batch(ctx))
+            if pools.attached:
+                self.threadpools[ctx] = pools
+        return ctx
+
+    def free_context(self, ctx: Any) -> None:
+        self.llama_cpp.llama_free(ctx)
+        pools = self.threadpools.pop(ctx, None)
+        if pools is not None:
+            pools.free()  # after the context: it no longer computes with them
 
     # -- measurement ----------------------------------------------------------------------------
 
@@ -166,7 +182,7 @@ class Worker:
         reused, error, load_s = self.load_model(s)
         if error:
             return {"status": "load_error", "message": error, "load_s": load_s}
-        ctx = self.new_context(s)
+        ctx = self.new_context(s, threadpools=True)
         if not ctx:
             return {"status": "context_error", "message": "llama.cpp failed to create the context", "load_s": load_s, "reused_model": reused}
         try:
@@ -192,7 +208,7 @@ class Worker:
             # (an allocation failure during the graph compute lands here)
             return {"status": "context_error", "message": f"llama_decode returned {exc.code}", "load_s": load_s, "reused_model": reused}
         finally:
-            lc.llama_free(ctx)
+            self.free_context(ctx)
             _log(f"{LOG_MARK} trial {request.get('trial_id', '?')} ends\n")
 
 
@@ -300,7 +316,7 @@ def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
                 if error:
                     return {"status": "load_error", "message": error}
                 models[key] = model
-            ctx = worker.new_context(s, models[key])
+            ctx = worker.new_context(s, models[key], threadpools=True)
             if not ctx:
                 return {"status": "context_error", "message": "llama.cpp failed to create a context"}
             contexts.append(ctx)
@@ -325,7 +341,7 @@ def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
         return {"status": "context_error", "message": f"llama_decode returned {exc.code}"}
     finally:
         for ctx in contexts:
-            lc.llama_free(ctx)
+            worker.free_context(ctx)
         for model in models.values():
             lc.llama_model_free(model)
         _log(f"{LOG_MARK} paired measurement ends\n")
