@@ -91,7 +91,7 @@ def test_the_grid_is_counted_and_every_candidate_is_spelled_back(models, name):
     from optuna.trial import FixedTrial
 
     space = _spaces(models)[name]
-    if name in ("two devices", "moe"):
+    if name != "cpu":  # fewer of the unconditional values: the conditional tree stays whole
         space = space.narrowed(n_ctx=space.n_ctx[:1], n_threads=space.threads[:1], n_ubatch=(512,))
     grid = list(space.grid())
     assert len(grid) == space.grid_size() == len({json.dumps(s.to_dict(), sort_keys=True) for s in grid})

@@ -676,8 +676,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
         flags=_all_tools(lambda s, e: ["-lm", load_mode(s.use_mmap, s.use_mlock)] if load_mode(s.use_mmap, s.use_mlock) != "mmap" else []),
         env=Env("LLAMA_ARG_LOAD_MODE"),
         ollama=Ollama(60, line=lambda s, e: f"PARAMETER use_mmap {'true' if s.use_mmap else 'false'}"),
-        not_searched=("it changes how the weights are read at load and whether their pages can be evicted, not the "
-                      "tokens/sec a trial measures once they are in memory (benchmarks/dimensions.py measures it)"),
+        not_searched=("it changes how the weights are read at load and whether their pages can be evicted; "
+                      "measured side by side, tokens/sec moved by no more than this machine's noise "
+                      "(benchmarks/load_mode.py)"),
     ),
     Dimension(
         "use_mlock", "bool", False,
