@@ -30,6 +30,7 @@ speed over the optimum. Printed per machine and strategy:
 - OOM launches: launches that ran out of memory within the first 20, summed over the seeds.
 
     python benchmarks/search_at_scale.py [--quick] [--json] [--seeds N] [--machines 24gb-70b,...]
+                                         [--vram-margin MiB] [--ablation]
 
 ``--quick``: 3 seeds. ``--json`` prints only
 ``{MACHINE: {"optimum", "grid_size", STRATEGY: {"trials_to_098_median", "trials_to_098_worst",
@@ -115,7 +116,7 @@ ABLATIONS = {  # --ablation: the tuner with parts of issue 14's search turned ba
 }
 
 
-def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = "tuner") -> Trace:
+def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = "tuner", margin: int | None = None) -> Trace:
     """The real Tuner with the roofline engine; ``final``: keep its profile winner as the pick."""
     import optuna
 
@@ -128,7 +129,7 @@ def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = 
         try:
             for name, replacement in ABLATIONS[ablation].items():
                 setattr(Candidates, name, replacement)
-            return run_tuner(sim, seed, trials, final=final)
+            return run_tuner(sim, seed, trials, final=final, margin=margin)
         finally:
             for name, original in saved.items():
                 setattr(Candidates, name, original)
@@ -150,7 +151,8 @@ def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = 
 
     tuner = Tuner(sim.main, variants=sim.variants, infos=sim.models, machine=sim.machine(), engine=engine, trials=trials,
                   min_ctx=sim.min_ctx, depth=sim.depth, seed=seed, on_event=on_event, storage=optuna.storages.InMemoryStorage(),
-                  study_name=f"{sim.name}-{seed}", out=Path(tempfile.mkdtemp()) / "profile.json")
+                  study_name=f"{sim.name}-{seed}", out=Path(tempfile.mkdtemp()) / "profile.json",
+                  **({"vram_margin": margin} if margin is not None else {}))
     result = tuner.run()
     if final:
         trace.final_true = true_tg(engine, Settings.from_dict(result.best["settings"]), tuner.bench)
@@ -280,6 +282,8 @@ def main() -> int:
     parser.add_argument("--horizon", type=int, default=60, help="launches searched for the 0.98 mark")
     parser.add_argument("--machines", default=None, help="comma-separated simulated machines (default: all)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
+    parser.add_argument("--vram-margin", type=int, default=None, metavar="MiB",
+                        help="the tuner's --vram-margin (default: the tune command's)")
     parser.add_argument("--ablation", action="store_true",
                         help="instead: the tuner with its memory-aware seeds and/or its lowering of proposals past the "
                              "memory boundary turned back (plain seeds; such proposals skipped)")
@@ -295,6 +299,7 @@ def main() -> int:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         seeds = args.seeds or (3 if args.quick else 10)
+        margin_arg = args.vram_margin << 20 if args.vram_margin is not None else None
         names = args.machines.split(",") if args.machines else list(SIMULATED)
         unknown = [n for n in names if n not in SIMULATED]
         if unknown:
@@ -312,9 +317,9 @@ def main() -> int:
             say(f"   space: {best.grid_size:.3g} candidates, {best.feasible / best.grid_size:.0%} fit; exhaustive evaluation "
                 f"{time.monotonic() - t0:.1f} s")
             say(f"   optimum: {describe(best.settings, best.value)}")
-            # what the tuner's default --vram-margin leaves reachable: llama.cpp's own process needs less
-            # than the margin here (roofline.CONTEXT_OVERHEAD), so the true optimum may sit inside it
-            margin = inspect.signature(Tuner).parameters["vram_margin"].default
+            # what the tuner's --vram-margin leaves reachable: llama.cpp's own process needs less than the
+            # default margin here (roofline.CONTEXT_OVERHEAD), so the true optimum may sit inside it
+            margin = margin_arg if margin_arg is not None else inspect.signature(Tuner).parameters["vram_margin"].default
             within = sim.engine(noise=0.0)
             for device in within.names:
                 within.capacity[device] = within.free[device] - margin
@@ -323,18 +328,19 @@ def main() -> int:
                 f"{reachable / best.value:.3f} of the optimum")
             row: dict[str, Any] = {"optimum": round(best.value, 4), "grid_size": best.grid_size}
             runs: dict[str, Callable[[int], Trace]] = {
-                "tuner": lambda seed: run_tuner(sim, seed, args.horizon, final=False),
+                "tuner": lambda seed: run_tuner(sim, seed, args.horizon, final=False, margin=margin_arg),
                 "random": lambda seed: run_random(sim, seed, args.horizon),
                 "bisect_tpe": lambda seed: run_bisect_tpe(sim, seed, args.horizon),
             }
             strategies: tuple[str, ...] = STRATEGIES
             if args.ablation:
                 strategies = tuple(ABLATIONS)
-                runs = {a: (lambda seed, a=a: run_tuner(sim, seed, args.horizon, final=False, ablation=a)) for a in ABLATIONS}
+                runs = {a: (lambda seed, a=a: run_tuner(sim, seed, args.horizon, final=False, ablation=a, margin=margin_arg))
+                        for a in ABLATIONS}
             for strategy in strategies:
                 t0 = time.monotonic()
                 traces = [runs[strategy](seed) for seed in range(seeds)]
-                final = ([run_tuner(sim, seed, BUDGET, final=True, ablation=strategy) for seed in range(seeds)]
+                final = ([run_tuner(sim, seed, BUDGET, final=True, ablation=strategy, margin=margin_arg) for seed in range(seeds)]
                          if strategy in ABLATIONS else None)
                 summary = summarize(traces, final, best.value)
                 row[strategy] = {k: v for k, v in summary.items() if not k.startswith("_")}
