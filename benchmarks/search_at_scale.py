@@ -111,8 +111,8 @@ def plain_seeds(self: Any, space: Any, physical_cores: int, **_: Any) -> list[An
 ABLATIONS = {  # --ablation: the tuner with parts of issue 14's search turned back
     "tuner": {},
     "plain_seeds": {"seeds": plain_seeds},
-    "skip_oom_proposals": {"repair": lambda self, s: s},
-    "plain_seeds+skip": {"seeds": plain_seeds, "repair": lambda self, s: s},
+    "skip_oom_proposals": {"repair": lambda self, s, space, params: s},
+    "plain_seeds+skip": {"seeds": plain_seeds, "repair": lambda self, s, space, params: s},
 }
 
 
