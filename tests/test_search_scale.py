@@ -278,3 +278,26 @@ def test_a_thousand_draws_of_a_gpu_sized_space_are_valid_and_lowered_into_memory
                 _conditions_hold(space, fixed, {})
         study.tell(trial, float(i % 11))
     assert lowered >= 5 and kept >= 5  # both kinds were met on each machine
+
+
+def test_the_benchmark_prints_exactly_its_json(tmp_path):
+    """benchmarks/search_at_scale.py --json on one machine, one seed: the keys the issue names, and
+    numbers that mean what they say (the tuner's winner fits, so it never beats the optimum)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "search_at_scale.py"
+    out = subprocess.run([sys.executable, str(script), "--json", "--seeds", "1", "--horizon", "4", "--machines", "16gb-moe"],
+                         capture_output=True, text=True, timeout=600, check=True)
+    data = json.loads(out.stdout)
+    assert list(data) == ["16gb-moe"]
+    row = data["16gb-moe"]
+    assert set(row) == {"optimum", "grid_size", "tuner", "random", "bisect_tpe"}
+    assert row["grid_size"] == space_of(SIMULATED["16gb-moe"]).grid_size() and row["optimum"] > 0
+    for strategy in ("tuner", "random", "bisect_tpe"):
+        assert set(row[strategy]) == {"trials_to_098_median", "trials_to_098_worst", "ratio_at_20_median", "oom_launches"}
+        assert 0 <= row[strategy]["ratio_at_20_median"] <= 1
+    assert row["tuner"]["oom_launches"] == 0
+    bad = subprocess.run([sys.executable, str(script), "--machines", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "unknown machine" in bad.stderr
