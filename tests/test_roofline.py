@@ -192,3 +192,24 @@ def test_simulated_machines_describe_real_hardware_and_models():
     assert glm.is_moe and glm.expert_used_count == 8 and 100e9 < glm.n_params < 112e9
     assert any("shexp" in t.name for t in glm.tensors) and not any(t.name.startswith("blk.0.ffn_gate_exps") for t in glm.tensors)
     assert statistics.mean([glm.file_size]) > model("GLM-4.5-Air", "Q2_K").file_size
+
+
+def test_it_is_an_engine_that_lists_its_devices_as_llama_cpp_names_them():
+    from tuner.engine.base import Engine
+    from tuner.search.candidates import accelerator_devices
+
+    sim = SIMULATED["2gpu-32b"]
+    engine = sim.engine()
+    assert isinstance(engine, Engine) and engine.fit(Settings(model_path=sim.main), margin=0, min_ctx=8192) is None
+    build = engine.build()
+    assert build.engine == engine.name == "roofline" and build.backends == ("CPU", "CUDA") and "simulation" in build.detail
+    devices = engine.devices()
+    assert [(d.name, d.type, d.backend) for d in devices] == [("CPU", "cpu", "CPU"), ("CUDA0", "gpu", "CUDA"), ("CUDA1", "gpu", "CUDA")]
+    assert [d.memory_total for d in devices[1:]] == [24 * GiB, 16 * GiB]
+    # the simulated machine reports those devices; the tuner plans with their free memory, and
+    # llama.cpp can allocate a little less (its own CUDA context)
+    planned = accelerator_devices(sim.machine())
+    assert [(d.name, d.free) for d in planned] == [(d.name, d.memory_free) for d in devices[1:]]
+    assert all(engine.capacity[d.name] < d.free for d in planned)
+    mac = RooflineEngine({}, host=DEVICES["m2max-cpu"], ram=64 * GiB, accelerators=[("MTL0", DEVICES["m2max-gpu"])])
+    assert [(d.name, d.backend, d.unified_memory) for d in mac.devices()[1:]] == [("MTL0", "Metal", True)]

@@ -51,7 +51,8 @@ import numpy as np
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import ModelInfo
 from ..model.special import flash_attn_forms
-from .base import BenchSpec, Stats, TrialResult
+from .base import BenchSpec, Engine, EngineBuild, Stats, TrialResult
+from .devices import DeviceInfo
 from .logparse import LoadReport
 from .outcome import Outcome
 from .settings import Settings
@@ -99,6 +100,11 @@ class DeviceSpec:
     threads: int = 0  # CPU: logical cores
     unified: bool = False
     source: str = ""
+
+    @property
+    def backend(self) -> str:
+        """The ggml backend llama.cpp drives it with (the NVIDIA cards here with CUDA, Apple's with Metal)."""
+        return "CPU" if self.kind == "cpu" else ("Metal" if self.unified else "CUDA")
 
 
 DEVICES: dict[str, DeviceSpec] = {
@@ -267,7 +273,7 @@ class Work:
 # -- the engine -----------------------------------------------------------------------------------
 
 
-class RooflineEngine:
+class RooflineEngine(Engine):
     """Simulated trials on a machine described by device specs.
 
     ``accelerators`` are (llama.cpp device name, spec) pairs in llama.cpp's order (``CUDA0``,
@@ -309,14 +315,23 @@ class RooflineEngine:
 
     # -- the engine interface ----------------------------------------------------------------------
 
+    name = "roofline"
+
+    def build(self) -> EngineBuild:
+        return EngineBuild(engine=self.name, backends=tuple(dict.fromkeys(["CPU", *(s.backend for s in self.specs.values())])),
+                           detail="simulation (tuner.engine.roofline): no llama.cpp runs")
+
+    def devices(self, rpc_servers: Sequence[str] = ()) -> list[DeviceInfo]:
+        """The simulated machine's devices as llama.cpp would list them: the host (its RAM as free
+        memory) and each accelerator with the free memory a probe reports (``free``)."""
+        out = [DeviceInfo(CPU, self.host.model, "cpu", self.ram, self.ram, "CPU")]
+        for name, spec in self.accelerators:
+            out.append(DeviceInfo(name, spec.model, "gpu", self.free[name], spec.memory, spec.backend,
+                                  unified_memory=spec.unified))
+        return out
+
     def close(self) -> None:
         pass
-
-    def __enter__(self) -> "RooflineEngine":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: object = None) -> TrialResult:
         """One simulated trial: refused, out of memory, or ``bench.repetitions`` noisy samples."""

@@ -118,7 +118,8 @@ class SimulatedMachine:
         return {name: spec.memory - DRIVER_RESERVED for name, spec in zip(self.device_names(), self.gpus)}
 
     def machine(self) -> Machine:
-        """What ``probe()`` would report on this machine."""
+        """What ``probe()`` would report on this machine, with the roofline engine as its engine: the
+        devices as llama.cpp lists them, NVML's view of the GPUs."""
         free = self.free()
         gpus = tuple(
             GPU(index=i, name=spec.model, uuid=f"GPU-simulated-{self.name}-{i}", memory_total=spec.memory,
@@ -130,6 +131,7 @@ class SimulatedMachine:
             ram_total=self.ram, ram_available=self.ram - OS_RESERVED, gpus=gpus, gpu_status="simulated",
             system="Linux", arch="x86_64",
             llama=LlamaBuild(llama_cpp_python="0.3.36", gpu_offload=True, backends=("cpu", "cuda")),
+            devices=tuple(d.to_dict() for d in self.engine(noise=0.0).devices()),
         )
 
     def engine(self, *, noise: float = 0.2, seed: int = 0) -> RooflineEngine:
