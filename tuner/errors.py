@@ -88,7 +88,12 @@ class EngineError(TunerError):
 
 
 class RPCError(TunerError):
-    pass
+    """``reason`` is what the server's failure was in itself (``cannot connect to ...``), without
+    the endpoint and the advice the message adds; a probe lists it next to the endpoint."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
 
 
 class StudyError(TunerError):

@@ -269,7 +269,7 @@ class LlamaCppEngine(Engine):
                     missing = [ep for ep in rpc_servers if not any(d.rpc_endpoint == ep for d in found)]
                     if missing:
                         raise RPCError(f"RPC server {missing[0]}: {Path(path).name} lists no device for it; start it "
-                                       "with `offload-tuner rpc-serve`")
+                                       "with `offload-tuner rpc-serve`", reason=f"{Path(path).name} lists no device for it")
                 devices = [_cpu_device()] + found
                 self._devices[key] = devices
                 return list(devices)
@@ -277,7 +277,7 @@ class LlamaCppEngine(Engine):
             if proc.returncode == 127 or "shared librar" in text:
                 raise EngineError(f"{path} cannot start: {_first_error(text) or 'exit code 127'}")
         if rpc_servers and re.search(r"RPC|connect|handshake", last, re.IGNORECASE):
-            raise RPCError(f"RPC server {','.join(rpc_servers)}: {last}; start it with `offload-tuner rpc-serve`")
+            raise RPCError(f"RPC server {','.join(rpc_servers)}: {last}; start it with `offload-tuner rpc-serve`", reason=last)
         raise EngineError(f"the llama.cpp binaries in {self.binaries.folder} cannot list their devices "
                           f"(--list-devices, llama.cpp 2024-11 or newer): {last or 'no tool answered'}")
 

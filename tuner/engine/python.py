@@ -100,7 +100,8 @@ class TrialRunner(Engine):
         out = [DeviceInfo.from_dict(d) for d in self._probe().get("devices", [])]
         for entry in query_devices(tuple(rpc_servers)) if rpc_servers else []:
             if "error" in entry:
-                raise RPCError(f"RPC server {entry['endpoint']}: {entry['error']}; start it with `offload-tuner rpc-serve`")
+                raise RPCError(f"RPC server {entry['endpoint']}: {entry['error']}; start it with `offload-tuner rpc-serve`",
+                               reason=entry["error"])
             out.append(DeviceInfo(name=entry["name"], description=entry.get("description", entry["endpoint"]), type="gpu",
                                   memory_free=int(entry["memory_free"]), memory_total=int(entry["memory_total"]),
                                   backend="RPC", ggml_name="RPC0", rpc_endpoint=entry["endpoint"]))

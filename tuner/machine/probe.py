@@ -330,7 +330,7 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
                 try:
                     found = [d for d in engine.devices((endpoint,)) if d.rpc_endpoint == endpoint]
                 except TunerError as exc:
-                    rpc_list.append({"endpoint": endpoint, "error": str(exc)})
+                    rpc_list.append({"endpoint": endpoint, "error": getattr(exc, "reason", None) or str(exc)})
                     continue
                 devices += found
                 rpc_list += [{"endpoint": d.rpc_endpoint, "name": d.name, "description": d.description,
