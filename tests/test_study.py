@@ -223,3 +223,36 @@ def test_nothing_runs_is_a_clear_error(models):
     engine = ScriptedRunner(infos, fail=lambda s: Outcome.TIMEOUT)
     with pytest.raises(StudyError, match="no candidate ran successfully"):
         tune(str(models["q8_0"]), trials=3, machine=machine(), engine=engine, **kwargs())
+
+
+def test_a_study_resumes_after_free_memory_changed_and_checks_again_what_did_not_fit(models, tuner_home):
+    """Another app took RAM and VRAM during the first run and gave them back before the second: the
+    study is the same one (free memory is not part of its name), and what the first run skipped as
+    "predicted not to fit" is checked again with this run's memory, not answered from the record."""
+    infos = {str(models["q8_0"]): inspect(models["q8_0"])}
+
+    def busy(ram: int, rpc_free: int) -> Machine:
+        rpc = ({"endpoint": "127.0.0.1:50052", "name": "RPC0", "description": "", "memory_free": rpc_free,
+                "memory_total": 8 << 30},)
+        return dataclasses.replace(machine(), ram_available=ram, rpc_devices=rpc)
+
+    events_first, events_second = [], []
+    first = Tuner(str(models["q8_0"]), trials=4, machine=busy(1 * MiB, 64 * MiB), engine=ScriptedRunner(infos, devices=(RPC,)),
+                  rpc_servers=("127.0.0.1:50052",), on_event=events_first.append, **kwargs())
+    first.run()  # with RAM taken only what runs wholly on the RPC device fits: the rest is skipped
+    pruned = [e for e in events_first if e["kind"] == "pruned"]
+    launched = {json.dumps(e["settings"], sort_keys=True) for e in events_first if e["kind"] == "launch"}
+    assert pruned and all(e["reason"].startswith("predicted not to fit") for e in pruned)
+    assert launched and len(launched) < 4  # the space ran out of candidates that fit before the budget
+
+    engine = ScriptedRunner(infos, devices=(RPC,))
+    second = Tuner(str(models["q8_0"]), trials=8, machine=busy(12 << 30, 6 << 30), engine=engine,
+                   rpc_servers=("127.0.0.1:50052",), on_event=events_second.append, **kwargs())
+    assert second.study_name == first.study_name
+    result = second.run()
+    start = next(e for e in events_second if e["kind"] == "start")
+    # only what was measured answers from the record; what was skipped for memory is checked again
+    assert start["resumed"] and start["done"] == len(launched)
+    assert result.counts["run"] == 8
+    again = {json.dumps(e["settings"], sort_keys=True) for e in events_second if e["kind"] == "launch"}
+    assert not (again & launched)

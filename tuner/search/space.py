@@ -200,7 +200,11 @@ class SearchSpace:
         return count(0, {}), asked, owner
 
     def fingerprint(self) -> str:
+        """Identity of the space, part of the study's name: what is searched, over which devices.
+        Free memory is left out: it changes with what else runs, and a study must resume after
+        another app took or gave back VRAM (the candidates decide fit with the memory of this run)."""
         data = dataclasses.asdict(self)
+        data["devices"] = [{k: v for k, v in d.items() if k != "free"} for d in data["devices"]]
         data["domains"] = {k: list(v) for k, v in sorted(self.domains.items())}
         data["supported"] = sorted(self.supported) if self.supported is not None else None
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]

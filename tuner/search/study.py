@@ -380,7 +380,8 @@ class Tuner:
         launched_before = 0
         for t in study.get_trials(deepcopy=False):
             key = t.user_attrs.get("settings_key")
-            if key and t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and _settled(t):
+            if key and t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED) and _settled(t) \
+                    and not _memory_verdict(t):
                 done.setdefault(key, t)
             if t.user_attrs.get("oom_device"):
                 self.candidates.remember_oom(t.user_attrs["oom_device"], int(t.user_attrs["oom_need"]))
@@ -707,6 +708,12 @@ def _measured(trial: Any) -> bool:
     if not trial.user_attrs.get("launched") or outcome is None:
         return False
     return outcome != "ok" or trial.state.name == "COMPLETE"
+
+
+def _memory_verdict(trial: Any) -> bool:
+    """A candidate skipped because it was predicted not to fit the memory free then: free memory
+    changes between runs, so a resumed study checks it again instead of answering from the record."""
+    return str(trial.user_attrs.get("reason", "")).startswith("predicted not to fit")
 
 
 def _settled(trial: Any) -> bool:
