@@ -580,6 +580,6 @@ def test_profile_check_command_says_what_an_app_would_load(model, tmp_path, monk
     assert result.stderr.startswith(f"warning: profile {path.stem} changed to fit this machine now:")
 
     result = CliRunner().invoke(profile_group, ["check", str(model), "--strict"], obj={"machine": here})
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.stderr.splitlines()[-1] == "Free the memory, or load with strict=False to accept these changes."
     assert f"Error: profile {path.stem} does not fit this machine as recorded; loading it would need:" in result.stderr

@@ -364,7 +364,7 @@ def test_a_modelfile_cannot_carry_a_path_with_shell_or_quote_characters(tmp_path
     # the recorded path and any path given with --model go through the same check
     for extra in ([], ["--model", "/data/model \"2\".gguf"], ["--model", "/data/a\nADAPTER /evil.gguf"]):
         result = CliRunner().invoke(profile_group, ["args", str(path), "--for", "ollama", *extra])
-        assert result.exit_code == 1 and result.stdout == ""
+        assert result.exit_code == 2 and result.stdout == ""
         assert result.output.startswith("Error: cannot write the Modelfile's FROM line: ")
         assert "Give the model's path on this machine with --model PATH" in result.output
     plain = CliRunner().invoke(profile_group, ["args", str(path), "--for", "ollama", "--model", "/data/my models/q-4,k+m@2.gguf"])

@@ -367,7 +367,7 @@ def test_a_profile_nested_100000_levels_deep(models, tmp_path):
         load_profile(models["q8_0"], search_path=[deep.parent], machine=machine())
     assert f"{deep}: unreadable: {deep}: not a profile: its JSON is nested too deeply" in str(info.value)
     proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "show", str(deep)], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 1 and one_error_line(proc) == f"Error: {deep}: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
+    assert proc.returncode == 2 and one_error_line(proc) == f"Error: {deep}: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
 
 
 def _profile_of(model: Path, **settings) -> dict:
@@ -404,7 +404,7 @@ def test_a_bundle_with_hostile_names_imports_every_valid_profile_and_reports_the
     assert results[4].detail.startswith("profiles[4].settings.n_gpu_layers: expected at most 65536, got a number of 400 digits")
     proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "import", str(bundle), "--to", str(tmp_path / "dest2")],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stdout.splitlines()[-1] == "2 imported, 3 invalid"
     assert one_error_line(proc) == f"Error: 3 profile(s) in {bundle} are invalid and were not imported"
     assert len(list((tmp_path / "dest2").glob("*.json"))) == 2
@@ -416,7 +416,7 @@ def test_an_import_into_a_read_only_folder_reports_each_profile(models, tmp_path
                                   "profiles": [_profile_of(models["q8_0"]), _profile_of(models["q4_k_m"])]}))
     folder = read_only(tmp_path / "dest")
     proc = run_cli_enforced("profile", "import", str(bundle), "--to", str(folder))
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("profiles[0] failed: cannot write ") and lines[0].endswith(": Permission denied")
     assert lines[1].startswith("profiles[1] failed: ") and lines[-1] == "2 failed"
@@ -447,7 +447,7 @@ def test_llama_refuses_absurd_keywords_and_profiles_before_llama_cpp_sees_them(m
 
     result = CliRunner().invoke(profile_group, ["check", str(models["q8_0"])], obj={"machine": machine()},
                                 env={"OFFLOAD_TUNER_PROFILE_PATH": str(folder)})
-    assert result.exit_code == 1 and "fits" not in result.stdout
+    assert result.exit_code == 2 and "fits" not in result.stdout
     assert "settings.n_ctx: expected at most 16777216" in result.output
 
 

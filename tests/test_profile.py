@@ -577,7 +577,7 @@ def test_a_bundle_reports_invalid_and_repeated_profiles(tmp_path):
         ("invalid", "profiles[3]: profile schema 2.0 is newer than this tool understands (1.x); upgrade offload-tuner"),
     ]
     result = CliRunner().invoke(profile_group, ["import", str(bundle), "--to", str(tmp_path / "dest2")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.endswith(f"Error: 2 profile(s) in {bundle} are invalid and were not imported\n")
 
 
@@ -631,7 +631,7 @@ def test_list_and_show(tmp_path, monkeypatch):
     assert json.loads(result.output) == json.loads(mine.read_text())
 
     result = runner.invoke(profile_group, ["show", "nope"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "Error: no profile named 'nope'" in result.output
 
 

@@ -109,7 +109,7 @@ def test_a_hostile_row_is_refused_and_the_rest_pulled(tmp_path, tuner_home, pg_u
             {"cls": TUNED_ON.hardware_class(), "doc": json.dumps(bad)})
     engine.dispose()
     pulled = _invoke("profile", "pull", "--from", pg_url, machine=SAME_CLASS)
-    assert pulled.exit_code == 1
+    assert pulled.exit_code == 2
     assert "registry #2 invalid: registry row 2: settings.n_gpu_layers:" in pulled.output
     assert "1 imported, 1 invalid" in pulled.output
     assert len(list((tuner_home / "profiles").glob("*.json"))) == 1

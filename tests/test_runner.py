@@ -74,6 +74,16 @@ def test_bench_cli_bad_model_is_a_clear_error(tmp_path):
     assert out.exit_code == 2 and "no such file" in out.output
 
 
+def test_bench_cli_out_of_memory_is_the_report_then_one_error_line_and_exit_2(models):
+    # 512 MiB of KV cache under a 300 MiB cap on the worker: llama.cpp's allocation fails
+    out = CliRunner().invoke(cli, ["bench", str(models["q8_0"]), "-c", "262144", "-p", "8", "-n", "4", "-r", "1",
+                                   "--memory-limit", "300", "--json"])
+    assert out.exit_code == 2, out.output
+    assert json.loads(out.stdout)["outcome"] == "oom"
+    assert out.stderr.startswith("Error: the trial did not run to the end: oom - out of memory: ")
+    assert len(out.stderr.splitlines()) == 1
+
+
 def test_context_only_changes_reuse_the_loaded_model(models):
     with TrialRunner() as runner:
         first = runner.run(settings(models["q8_0"]), QUICK)

@@ -22,7 +22,7 @@ MiB = 1 << 20
 
 
 class _Group(click.Group):
-    """Turns TunerError into a clean one-line error (exit 2), unless --debug."""
+    """Turns TunerError, and any command's ClickException, into a clean one-line error (exit 2), unless --debug."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -38,6 +38,7 @@ class _Group(click.Group):
             from ..profile.dburl import scrub
 
             exc.message = scrub(exc.message)
+            exc.exit_code = 2  # one line, exit code 2, whichever command said it
             raise
 
 
@@ -494,7 +495,10 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
         data["context_note"] = note
     _emit(as_json, data, lambda: format_result(result) + (f"\nnote: {note}" if note else ""))
     if not result.ok:
-        sys.exit(1)
+        # the report above says what the log showed; the error is one line, exit code 2 (a crash, OOM, timeout)
+        click.echo(f"Error: the trial did not run to the end: {result.outcome.value}"
+                   + (f" - {result.message}" if result.message else ""), err=True)
+        sys.exit(2)
 
 
 def _context_note(engine: Any, settings: Any, bench: Any) -> str:

@@ -1,7 +1,7 @@
 """``offload-tuner profile ...``: list, show, check, export arguments, share bundles.
 
 Thin: parse, call ``tuner.profile.document`` / ``tuner.profile.apps`` / ``tuner.profile.exports``, print. Domain errors become
-``click.ClickException`` with a message a person can act on. Tests pass ``obj={"machine": Machine}``
+one line with a message a person can act on, exit code 2 (``ProfileCommandError``), as every command's. Tests pass ``obj={"machine": Machine}``
 to inject the machine; without it, commands that need one probe this machine.
 """
 
@@ -20,6 +20,13 @@ from ..paths import ENV_PROFILE_PATH, ENV_REGISTRY, profiles_dir
 from ..profile.document import Profile, ProfileWarning, format_bytes
 from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, write_bundle
 from ..report.summary import profile_summary
+
+class ProfileCommandError(click.ClickException):
+    """One line on stderr and exit code 2: the house rule for bad input (a missing, unreadable, foreign
+    or newer profile, an invalid bundle entry, a profile that does not fit with --strict)."""
+
+    exit_code = 2
+
 
 profile_group = click.Group(
     "profile",
@@ -49,7 +56,7 @@ def _resolve(ref: str) -> Profile:
     try:
         return resolve_profile(ref)
     except TunerError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise ProfileCommandError(str(exc)) from None
 
 
 def _origin_label(origin: Path) -> str:
@@ -227,7 +234,7 @@ def args_command(profile: str, fmt: str, model_path: str | None, llama_bin: str 
     try:
         text = export_args(p, fmt, model_path=model_path)
     except TunerError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise ProfileCommandError(str(exc)) from None
     _check_with_binaries(p, fmt, model_path, llama_bin)
     click.echo(text, nl=False)
 
@@ -241,7 +248,7 @@ def _check_with_binaries(p: Profile, fmt: str, model_path: str | None, llama_bin
     if tool not in ("llama-server", "llama-cli", "llama-bench"):
         return  # an ollama Modelfile is read by ollama, not by llama.cpp's parser
     if llama_bin is not None and not Path(llama_bin).is_dir():
-        raise click.ClickException(f"--llama-bin {llama_bin}: no such folder")
+        raise ProfileCommandError(f"--llama-bin {llama_bin}: no such folder")
     answer = check_exported_flags(tool, tool_args(p, tool, model_path=model_path), llama_bin)
     if answer is None:
         if llama_bin is not None:
@@ -273,7 +280,7 @@ def check_command(ctx: click.Context, model_path: str, strict: bool) -> None:
             p = load_profile(model_path, machine=_machine(ctx), strict=strict)
         except TunerError as exc:
             _show_warnings(caught)
-            raise click.ClickException(str(exc)) from None
+            raise ProfileCommandError(str(exc)) from None
     _show_warnings(caught)
     click.echo(f"{p.name}  ({p.path})")
     if p.degradation:
@@ -304,11 +311,11 @@ def export_command(profiles: tuple[str, ...], output: str) -> None:
             if entry.error is not None:
                 click.echo(f"skipped {entry.path}: {entry.error}", err=True)
         if not chosen:
-            raise click.ClickException(f"no profiles in {profiles_dir()} to export; name the ones to export")
+            raise ProfileCommandError(f"no profiles in {profiles_dir()} to export; name the ones to export")
     try:
         path = write_bundle(chosen, output)
     except TunerError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise ProfileCommandError(str(exc)) from None
     click.echo(f"wrote {len(chosen)} profile(s) to {path}")
 
 
@@ -328,7 +335,7 @@ def import_command(bundle: str, force: bool, dest: str | None) -> None:
         try:
             results = import_bundle(bundle, dest=dest, force=force)
         except TunerError as exc:
-            raise click.ClickException(f"{bundle}: {exc}") from None
+            raise ProfileCommandError(f"{bundle}: {exc}") from None
     _show_warnings(caught)
     counts: dict[str, int] = {}
     for result in results:
@@ -345,7 +352,7 @@ def import_command(bundle: str, force: bool, dest: str | None) -> None:
     if counts.get("failed"):
         problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
     if problems:
-        raise click.ClickException("; ".join(problems))
+        raise ProfileCommandError("; ".join(problems))
 
 
 def _registry_url(url: str | None, flag: str) -> str:
@@ -382,11 +389,11 @@ def publish_command(profiles: tuple[str, ...], url: str | None, force: bool) -> 
             if entry.error is not None:
                 click.echo(f"skipped {entry.path}: {entry.error}", err=True)
         if not chosen:
-            raise click.ClickException(f"no profiles in {profiles_dir()} to publish; tune first, or name the ones to publish")
+            raise ProfileCommandError(f"no profiles in {profiles_dir()} to publish; tune first, or name the ones to publish")
     try:
         results = publish(chosen, url, force=force)
     except TunerError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise ProfileCommandError(str(exc)) from None
     counts: dict[str, int] = {}
     for result in results:
         counts[result.action] = counts.get(result.action, 0) + 1
@@ -395,7 +402,7 @@ def publish_command(profiles: tuple[str, ...], url: str | None, force: bool) -> 
     if counts.get("conflict"):
         click.echo("nothing was overwritten; --force replaces the registry's profile", err=True)
     if counts.get("invalid"):
-        raise click.ClickException(f"{counts['invalid']} profile(s) are invalid and were not published")
+        raise ProfileCommandError(f"{counts['invalid']} profile(s) are invalid and were not published")
 
 
 @profile_group.command("pull")
@@ -422,7 +429,7 @@ def pull_command(ctx: click.Context, url: str | None, hardware_class: str | None
         try:
             results = pull(url, hardware_class=hardware_class, machine=None if hardware_class else _machine(ctx), force=force)
         except TunerError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise ProfileCommandError(str(exc)) from None
     _show_warnings(caught)
     counts: dict[str, int] = {}
     for result in results:
@@ -438,7 +445,7 @@ def pull_command(ctx: click.Context, url: str | None, hardware_class: str | None
     if counts.get("failed"):
         problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
     if problems:
-        raise click.ClickException("; ".join(problems))
+        raise ProfileCommandError("; ".join(problems))
 
 
 __all__ = ["profile_group"]
