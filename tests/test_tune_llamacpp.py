@@ -30,7 +30,7 @@ def test_a_tune_of_an_f32_q8_0_q4_k_m_family_picks_q4_k_m_and_names_the_engine(t
     with LlamaCppEngine(llama_bin, timeout_s=600) as engine:
         tuner = Tuner(str(f32), variants=[str(q8), str(q4)], trials=3, min_ctx=1024, n_prompt=32, n_gen=16, repetitions=2,
                       final_repetitions=6, final_rounds=6, final_candidates=2, vram_margin=0, engine=engine,
-                      on_event=events.append, space_overrides=ONLY_THE_VARIANT)
+                      on_event=events.append, space_overrides=ONLY_THE_VARIANT, chunks=2, quality_ctx=128)
         assert tuner.space.dimensions() == {"variant": ["fam-F32.gguf", "fam-Q8_0.gguf", "fam-Q4_K_M.gguf"]}
         result = tuner.run()
         build = engine.build()
@@ -46,6 +46,11 @@ def test_a_tune_of_an_f32_q8_0_q4_k_m_family_picks_q4_k_m_and_names_the_engine(t
     assert profile.engine.build == build.describe() and build.commit and profile.engine.path == str(llama_bin)
     assert profile.llama_build.llama_cpp_python is None and profile.llama_build.llama_cpp_build == build.describe()
     assert len(profile.measured.tg.samples) == 6
+    # llama-bench gives no logits: quality came from llama-cpp-python's llama.cpp, against the F32 reference
+    assert any(e["kind"] == "quality_engine" for e in events)
+    report = result.quality
+    assert report is not None and report.reference == str(f32)
+    assert profile.quality is not None and profile.quality.reference_file == "fam-F32.gguf"
     # the exported flags went through the binaries' own parser
     assert result.flags_check == {"tool": "llama-server", "parser": str(llama_bin / "llama-fit-params"), "accepted": True,
                                   "error": None}

@@ -583,6 +583,9 @@ class _Progress:
         if kind == "quality_excluded":
             click.echo(f"not tuned: {Path(e['path']).name}: {e['reason']}", err=True)
             return
+        if kind == "quality_engine":
+            click.echo(e["message"], err=True)
+            return
         if kind == "quality_skipped":
             click.echo(f"quality not measured: {e['reason']}", err=True)
             return

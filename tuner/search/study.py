@@ -281,7 +281,15 @@ class Tuner:
         from ..errors import ModelError, QualityError
         from ..model.inspect import inspect
 
-        if self.engine is not None and not hasattr(self.engine, "score_corpus"):
+        scorer = self.engine
+        if self.engine is not None and not hasattr(self.engine, "score_corpus") and getattr(self.engine, "name", None) == "llama-cpp":
+            # llama-bench prints speeds, never logits: the text is scored by llama-cpp-python's llama.cpp
+            # (the python engine's worker), the same method on the same files. What a quantization costs
+            # is in the file, not in which build reads it.
+            scorer = None
+            self.emit({"kind": "quality_engine", "message": "quality is measured with llama-cpp-python's llama.cpp "
+                                                            "(llama-bench gives no logits); speed with the llama-cpp engine"})
+        elif self.engine is not None and not hasattr(self.engine, "score_corpus"):
             if self.budget.has_limit:
                 raise QualityError(f"a quality budget needs an engine that scores text; {type(self.engine).__name__} does not")
             self.emit({"kind": "quality_skipped", "reason": f"the engine ({type(self.engine).__name__}) cannot score text"})
@@ -294,7 +302,7 @@ class Tuner:
         # On the accelerators when there are real ones (a model that does not fit is scored on the
         # CPU); simulated RPC devices would only be slower than the CPU behind them.
         gpus = bool(self.machine.gpus) and self.machine.llama.gpu_offload
-        with QualityMeter(ref, corpus=corpus, n_ctx=n_ctx, chunks=chunks, engine=self.engine, on_event=self.emit,
+        with QualityMeter(ref, corpus=corpus, n_ctx=n_ctx, chunks=chunks, engine=scorer, on_event=self.emit,
                           settings={"n_gpu_layers": -1 if gpus else 0}, timeout_s=self.trial_timeout) as meter:
             return meter.measure(infos)
 
