@@ -283,7 +283,7 @@ def main() -> int:
     parser.add_argument("--machines", default=None, help="comma-separated simulated machines (default: all)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
     parser.add_argument("--vram-margin", type=int, default=None, metavar="MiB",
-                        help="the tuner's --vram-margin (default: the tune command's)")
+                        help="the tuner's --vram-margin (default: none given, the tune command's calibrated margin)")
     parser.add_argument("--ablation", action="store_true",
                         help="instead: the tuner with its memory-aware seeds and/or its lowering of proposals past the "
                              "memory boundary turned back (plain seeds; such proposals skipped)")
@@ -294,8 +294,9 @@ def main() -> int:
         import optuna
 
         from tuner.machine.simulated import SIMULATED
+        from tuner.engine.roofline import CONTEXT_OVERHEAD
+        from tuner.search.candidates import CALIBRATION_SLACK, DEFAULT_MARGIN
         from tuner.search.exhaustive import describe, optimum
-        from tuner.search.study import Tuner
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         seeds = args.seeds or (3 if args.quick else 10)
@@ -317,15 +318,19 @@ def main() -> int:
             say(f"   space: {best.grid_size:.3g} candidates, {best.feasible / best.grid_size:.0%} fit; exhaustive evaluation "
                 f"{time.monotonic() - t0:.1f} s")
             say(f"   optimum: {describe(best.settings, best.value)}")
-            # what the tuner's --vram-margin leaves reachable: llama.cpp's own process needs less than the
-            # default margin here (roofline.CONTEXT_OVERHEAD), so the true optimum may sit inside it
-            margin = margin_arg if margin_arg is not None else inspect.signature(Tuner).parameters["vram_margin"].default
+            # what the tuner's margin leaves reachable. Without --vram-margin the tuner calibrates it from
+            # the trials' measured use: here llama.cpp's own context (roofline.CONTEXT_OVERHEAD), which the
+            # arithmetic never sees, plus the calibration's slack.
+            if margin_arg is not None:
+                margin, how = margin_arg, f"{margin_arg >> 20} MiB --vram-margin"
+            else:
+                margin = CONTEXT_OVERHEAD + CALIBRATION_SLACK
+                how = f"calibrated margin ({margin >> 20} MiB once a trial measured; {DEFAULT_MARGIN >> 20} MiB before)"
             within = sim.engine(noise=0.0)
             for device in within.names:
                 within.capacity[device] = within.free[device] - margin
             reachable = optimum(space, within, bench).value
-            say(f"   best outside the tuner's {margin >> 20} MiB --vram-margin: {reachable:.2f} t/s, "
-                f"{reachable / best.value:.3f} of the optimum")
+            say(f"   best outside the tuner's {how}: {reachable:.2f} t/s, {reachable / best.value:.3f} of the optimum")
             row: dict[str, Any] = {"optimum": round(best.value, 4), "grid_size": best.grid_size}
             runs: dict[str, Callable[[int], Trace]] = {
                 "tuner": lambda seed: run_tuner(sim, seed, args.horizon, final=False, margin=margin_arg),

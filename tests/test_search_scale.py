@@ -22,7 +22,7 @@ from tuner.errors import SettingsError
 from tuner.machine.simulated import SIMULATED
 from tuner.model.synthetic import llama_like
 from tuner.search import exhaustive
-from tuner.search.candidates import Candidates, accelerator_devices
+from tuner.search.candidates import WHOLE_ON_HOST, Candidates, accelerator_devices
 from tuner.search.space import build_space, placement_patterns
 
 GiB = 1 << 30
@@ -172,7 +172,9 @@ def test_seeds_fit_and_are_what_the_study_enqueues(name):
         if s.n_gpu_layers:
             more = dataclasses.replace(s, n_gpu_layers=s.n_gpu_layers + 1,
                                        tensor_split=None if s.tensor_split is None else (*s.tensor_split[:-1], s.tensor_split[-1] + 1))
-            assert s.n_gpu_layers == space.n_layer + 1 or not candidates.fits(more), s
+            whole = space.n_layer + 1 - s.n_gpu_layers  # layers wholly on the host
+            placed = bool(s.tensor_overrides or s.n_cpu_moe)  # a placement seed may keep 1-2 first layers there
+            assert whole == 0 or (placed and whole in WHOLE_ON_HOST) or not candidates.fits(more), s
     # the parameters the study enqueues give back the same candidate
     for s in seeds:
         assert space.suggest(optuna.trial.FixedTrial(space.params_for(s))) == s
@@ -199,10 +201,61 @@ def test_tune_on_a_simulated_gpu_machine(tuner_home):
     assert len(launched) == 10 and result.counts == {"run": 10, "pruned": result.counts["pruned"], "oom": 0, "failed": 0}
     for s in launched:
         assert tuner.candidates.fits(s) and engine.out_of_memory(engine.memory(s)) is None
-    # the seeds go first: the most offloaded candidates of each variant
-    assert {s.model_path for s in launched[:3]} == set(sim.models)
+    # the seeds go first: the most offloaded candidates of each variant (sized again once the first
+    # trial calibrated the margin)
+    assert {s.model_path for s in launched[:4]} == set(sim.models)
     assert result.best["remeasured"] and result.profile.settings.n_gpu_layers > 0
     assert Settings.from_dict(result.best["settings"]) in launched
+
+
+def test_the_margin_follows_what_trials_used_beyond_the_arithmetic(tuner_home, tmp_path):
+    """No --vram-margin: 512 MiB until the first trial that ran says what llama.cpp's process used beyond
+    the arithmetic (the simulation's CUDA context, 350 MiB); then that and 32 MiB. The seeds are sized
+    again, what is launched uses the memory the default margin kept back, and nothing runs out of memory.
+    A given margin is kept as given. A resumed study starts from what its trials measured."""
+    from tuner.engine.roofline import CONTEXT_OVERHEAD
+    from tuner.search.candidates import CALIBRATION_SLACK
+    from tuner.search.study import Tuner
+
+    sim = SIMULATED["24gb-70b"]
+    free = {d.name: d.free for d in accelerator_devices(sim.machine())}
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    common = dict(variants=sim.variants, infos=sim.models, machine=sim.machine(), min_ctx=sim.min_ctx, depth=sim.depth, seed=1)
+
+    events = []
+    engine = sim.engine(seed=1)
+    tuner = Tuner(sim.main, engine=engine, trials=8, on_event=events.append, storage=storage, **common)
+    result = tuner.run()
+    margins = [e for e in events if e["kind"] == "margin"]
+    assert [(e["device"], e["was"], e["margin"]) for e in margins] == [("CUDA0", 512 * MiB, CONTEXT_OVERHEAD + CALIBRATION_SLACK)]
+    calibrated_at = margins[0]["number"]
+    launched = [(e["number"], Settings.from_dict(e["settings"])) for e in events if e["kind"] == "launch"]
+    assert calibrated_at == launched[0][0]  # the first trial that ran
+    after = [s for number, s in launched if number > calibrated_at]
+    need = [tuner.candidates.estimate(s).devices["CUDA0"].total for s in after]
+    assert all(n <= free["CUDA0"] - (CONTEXT_OVERHEAD + CALIBRATION_SLACK) for n in need)
+    assert any(n > free["CUDA0"] - 512 * MiB for n in need)  # what the default margin had kept back
+    assert result.counts["oom"] == 0 and all(engine.out_of_memory(engine.memory(s)) is None for _, s in launched)
+    stale = [e for e in events if e["kind"] == "pruned" and "seed sized before" in e.get("reason", "")]
+    assert not stale  # dropped seeds are not candidates: no event, no launch, no trial counted
+    assert result.counts["run"] == 8
+
+    # resumed: the margin is the calibrated one from the start
+    again = []
+    resumed = Tuner(sim.main, engine=sim.engine(seed=2), trials=10, on_event=again.append, storage=storage, **common)
+    resumed.run()
+    assert not [e for e in again if e["kind"] == "margin"]
+    assert resumed.candidates.margin_for("CUDA0") == CONTEXT_OVERHEAD + CALIBRATION_SLACK
+
+    # a margin given is kept as given
+    fixed_events = []
+    fixed = Tuner(sim.main, engine=sim.engine(seed=1), trials=6, on_event=fixed_events.append, vram_margin=512 * MiB,
+                  storage=f"sqlite:///{tmp_path / 'fixed.db'}", **common)
+    fixed.run()
+    assert not [e for e in fixed_events if e["kind"] == "margin"]
+    for e in fixed_events:
+        if e["kind"] == "launch":
+            assert fixed.candidates.estimate(Settings.from_dict(e["settings"])).devices["CUDA0"].total <= free["CUDA0"] - 512 * MiB
 
 
 class _StopAfter:

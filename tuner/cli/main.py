@@ -583,6 +583,9 @@ class _Progress:
         if kind == "quality_excluded":
             click.echo(f"not tuned: {Path(e['path']).name}: {e['reason']}", err=True)
             return
+        if kind == "margin":
+            click.echo(e["message"], err=True)
+            return
         if kind == "quality_engine":
             click.echo(e["message"], err=True)
             return
@@ -655,7 +658,9 @@ class _Progress:
 @click.option("--n-prompt", type=int, default=512, show_default=True, help="Prompt tokens per pp sample.")
 @click.option("--n-gen", type=int, default=128, show_default=True, help="Generated tokens per tg sample.")
 @click.option("--repetitions", "-r", type=int, default=3, show_default=True, help="Samples per trial.")
-@click.option("--vram-margin", type=int, default=512, show_default=True, help="MiB kept free on each device.")
+@click.option("--vram-margin", type=int, default=None,
+              help="MiB kept free on each device beyond the memory arithmetic. Default: 512 until a trial measures "
+                   "(NVML) what llama.cpp used there beyond the arithmetic; then that, its spread and 32 MiB.")
 @click.option("--rpc", "rpc", default=None, help="RPC servers host:port,... used as devices.")
 @click.option("--storage", default=None, help="Optuna storage URL (default: SQLite in the data folder; PostgreSQL for a team).")
 @click.option("--study", "study_name", default=None, help="Study name (default: from machine and model fingerprints).")
@@ -688,7 +693,7 @@ class _Progress:
 @click.option("--report", "report_path", is_flag=False, flag_value="", default=None, metavar="[FILE.html]",
               help="At the end, write the HTML report (to FILE.html, or the data folder's reports/) and print its path.")
 def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
-             objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int,
+             objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int | None,
              rpc: str | None, storage: str | None, study_name: str | None, out: str | None, trial_timeout: float,
              no_wait: bool, seed: int, max_kl: float | None, max_ppl_increase: float | None, min_tg: float | None,
              min_pp: float | None, reference: str | None, corpus: str | None, chunks: int, quality_ctx: int,
@@ -742,13 +747,13 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
 
     for path in (model, *variants):
         check_path(path)  # a URL: tune runs the model, so it must be on disk
-    if vram_margin < 0:
+    if vram_margin is not None and vram_margin < 0:
         raise SettingsError("--vram-margin", f"expected MiB >= 0, got {vram_margin}")
     try:
         with open_engine(engine, llama_bin=llama_bin, timeout_s=trial_timeout) as runner:
             result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
                           min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
-                          vram_margin=vram_margin * MiB, storage=storage, study_name=study_name, out=out,
+                          vram_margin=None if vram_margin is None else vram_margin * MiB, storage=storage, study_name=study_name, out=out,
                           rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
                           on_event=_Progress(quiet or as_json), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
                           min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,

@@ -72,6 +72,20 @@ def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
         click.echo(f"warning: {warning.message}", err=True)
 
 
+def _chosen_or_all(profiles: tuple[str, ...], hint: str, verb: str = "export") -> list[Profile]:
+    """The profiles named, or every readable one in the user's folder (the unreadable ones said on stderr)."""
+    if profiles:
+        return [_resolve(ref) for ref in profiles]
+    entries = list_profiles([profiles_dir()])
+    chosen = [e.profile for e in entries if e.profile is not None]
+    for entry in entries:
+        if entry.error is not None:
+            click.echo(f"skipped {entry.path}: {entry.error}", err=True)
+    if not chosen:
+        raise ProfileCommandError(f"no profiles in {profiles_dir()} to {verb}; {hint}")
+    return chosen
+
+
 @profile_group.command("list")
 @click.option("--all", "show_all", is_flag=True, help="Also profiles of other machines and files that cannot be read.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per profile, for scripts.")
@@ -302,16 +316,7 @@ def export_command(profiles: tuple[str, ...], output: str) -> None:
 
         offload-tuner profile export -o team-profiles.json
     """
-    if profiles:
-        chosen = [_resolve(ref) for ref in profiles]
-    else:
-        entries = list_profiles([profiles_dir()])
-        chosen = [e.profile for e in entries if e.profile is not None]
-        for entry in entries:
-            if entry.error is not None:
-                click.echo(f"skipped {entry.path}: {entry.error}", err=True)
-        if not chosen:
-            raise ProfileCommandError(f"no profiles in {profiles_dir()} to export; name the ones to export")
+    chosen = _chosen_or_all(profiles, "name the ones to export")
     try:
         path = write_bundle(chosen, output)
     except TunerError as exc:
@@ -380,16 +385,7 @@ def publish_command(profiles: tuple[str, ...], url: str | None, force: bool) -> 
     from ..profile.registry import publish
 
     url = _registry_url(url, "--to")
-    if profiles:
-        chosen = [_resolve(ref) for ref in profiles]
-    else:
-        entries = list_profiles([profiles_dir()])
-        chosen = [e.profile for e in entries if e.profile is not None]
-        for entry in entries:
-            if entry.error is not None:
-                click.echo(f"skipped {entry.path}: {entry.error}", err=True)
-        if not chosen:
-            raise ProfileCommandError(f"no profiles in {profiles_dir()} to publish; tune first, or name the ones to publish")
+    chosen = _chosen_or_all(profiles, "tune first, or name the ones to publish", verb="publish")
     try:
         results = publish(chosen, url, force=force)
     except TunerError as exc:

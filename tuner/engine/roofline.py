@@ -572,6 +572,9 @@ class RooflineEngine(Engine):
             tg=Stats.of(tgs) if bench.n_gen else None,
             load=self._report(s, est),
             peak_rss=est.devices[CPU].total,
+            # what NVML would show the process using on each discrete GPU: its buffers and llama.cpp's own context
+            peak_vram={d: m.total + CONTEXT_OVERHEAD for d, m in est.devices.items()
+                       if d in self.specs and m.total and not self.specs[d].unified},
         )
 
 

@@ -25,6 +25,16 @@ MiB = 1 << 20
 # card ~900 GB/s). With unified memory both are the same memory. Only the order of the first trials
 # depends on it: every seed is measured.
 HOST_SLOWDOWN = 10.0
+# Seeds with a placement strategy also come with the first 1 or 2 layers wholly on the host (and the
+# strategy on the fewest layers after them): one whole layer can cost fewer host bytes per token than
+# one more layer's FFN (a 70B's attention is a fifth of its FFN), measured in benchmarks/search_at_scale.py.
+WHOLE_ON_HOST = (0, 1, 2)
+# With a calibrated margin: kept free beyond the most a trial used past the arithmetic and the spread
+# of those excesses (benchmarks/search_at_scale.py measures what the margin costs).
+CALIBRATION_SLACK = 32 * MiB
+# Where a device starts, without --vram-margin (and the whole margin with no measurement of it): it
+# covers a CUDA context (300-500 MiB) and the arithmetic's error.
+DEFAULT_MARGIN = 512 * MiB
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 _ROUTED_RE = re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")
 
@@ -79,16 +89,55 @@ def oom_device(result: TrialResult, est: MemoryEstimate, accelerators: Sequence[
 
 class Candidates:
     """The pre-launch checks of one study: the memory each candidate needs per device, whether it fits
-    what is free (less ``margin`` on the accelerators), and the out-of-memory limits learned so far."""
+    what is free (less a margin on the accelerators), and the out-of-memory limits learned so far.
 
-    def __init__(self, models: Mapping[str, ModelInfo], devices: Sequence[Device], ram_available: int, margin: int) -> None:
+    The margin is what the arithmetic does not see: the backend's own context (CUDA's is 300-500 MiB),
+    its workspaces, the allocator's slack, the arithmetic's own error. A fixed ``margin`` is used as
+    given. With ``calibrate``, ``margin`` is only where a device starts: once a trial that ran reports
+    the process's peak use on a device (NVML's per-process figure; the simulation's), the margin there
+    becomes the most any trial used beyond the arithmetic, plus the spread of those excesses, plus
+    ``CALIBRATION_SLACK``. It follows this machine: larger where the arithmetic falls short, smaller
+    where the backend needs less than the default."""
+
+    def __init__(self, models: Mapping[str, ModelInfo], devices: Sequence[Device], ram_available: int, margin: int,
+                 *, calibrate: bool = False, peak_names: Mapping[str, str] | None = None) -> None:
         self.models = models
         self.devices = list(devices)
         self.margin = margin
+        self.calibrate = calibrate
+        self.peak_names = dict(peak_names or {})  # the memory sampler's name of a device -> llama.cpp's
         self.free: dict[str, int] = {d.name: d.free for d in self.devices}
         self.free[CPU] = ram_available
         self.learned: dict[str, int] = {}  # device -> the smallest need that ran out of memory there
+        self.beyond: dict[str, list[int]] = {}  # device -> what trials used there beyond the arithmetic
         self._estimates: dict[str, MemoryEstimate] = {}
+
+    def margin_for(self, device: str) -> int:
+        """The memory kept free on ``device`` beyond what the arithmetic predicts."""
+        seen = self.beyond.get(device)
+        if not self.calibrate or not seen:
+            return self.margin
+        return max(CALIBRATION_SLACK, max(seen) + (max(seen) - min(seen)) + CALIBRATION_SLACK)
+
+    def learn_usage(self, result: TrialResult, est: MemoryEstimate) -> dict[str, int]:
+        """From a trial that ran: per accelerator, what the process used there beyond the arithmetic's
+        prediction (its peak less the predicted total). Remembered for the margin; returned to record."""
+        if not result.ok:
+            return {}
+        out: dict[str, int] = {}
+        for label, peak in result.peak_vram.items():
+            device = self.peak_names.get(label, label)
+            mem = est.devices.get(device)
+            if device == CPU or mem is None or mem.total <= 0 or peak <= 0:
+                continue
+            out[device] = int(peak) - mem.total
+        for device, extra in out.items():
+            self.remember_usage(device, extra)
+        return out
+
+    def remember_usage(self, device: str, beyond: int) -> None:
+        """A trial used ``beyond`` bytes on ``device`` past the arithmetic (now or in an earlier run)."""
+        self.beyond.setdefault(device, []).append(int(beyond))
 
     def estimate(self, s: Settings) -> MemoryEstimate:
         # memoized: the checks, the seeds and repairs ask about the same candidates more than once
@@ -101,10 +150,10 @@ class Candidates:
         """Why a candidate must not be launched, or None."""
         for device, mem in est.devices.items():
             free = self.free.get(device)
-            if free is not None and device != CPU and mem.total > free - self.margin:
+            if free is not None and device != CPU and mem.total > free - self.margin_for(device):
                 return (f"predicted not to fit: {device} needs {mem.total / MiB:.0f} MiB "
                         f"({mem.weights / MiB:.0f} weights, {mem.kv / MiB:.0f} KV, {mem.compute / MiB:.0f} compute), "
-                        f"{free / MiB:.0f} MiB free less a {self.margin / MiB:.0f} MiB margin")
+                        f"{free / MiB:.0f} MiB free less a {self.margin_for(device) / MiB:.0f} MiB margin")
         host = est.devices[CPU].total
         if host > self.free[CPU]:
             return f"predicted not to fit in RAM: the host needs {host / MiB:.0f} MiB, {self.free[CPU] / MiB:.0f} MiB available"
@@ -140,14 +189,14 @@ class Candidates:
                 need[device] = need.get(device, 0) + (mem.weights if first else 0) + mem.kv + mem.compute
         for device, total in need.items():
             free = self.free.get(device)
-            if free is not None and total > free - (self.margin if device != CPU else 0):
+            if free is not None and total > free - (self.margin_for(device) if device != CPU else 0):
                 return False
         return True
 
     def room(self, device: str) -> int:
         """The most a candidate may need on an accelerator: its free memory less the margin, and
         below what ran out of memory there."""
-        room = self.free.get(device, 0) - self.margin
+        room = self.free.get(device, 0) - self.margin_for(device)
         if device in self.learned:
             room = min(room, self.learned[device] - 1)
         return room
@@ -186,13 +235,15 @@ class Candidates:
     def fits(self, s: Settings) -> bool:
         return self.check(s, self.estimate(s)) is None
 
-    def most_layers(self, s: Settings) -> Settings:
-        """``s`` with as many layers offloaded as fit: the devices filled one at a time, the one with
-        the most free memory first (``s``'s own n_gpu_layers and split are ignored)."""
+    def most_layers(self, s: Settings, cap: int | None = None) -> Settings:
+        """``s`` with as many layers offloaded as fit, at most ``cap`` (default: every layer): the devices
+        filled one at a time, the one with the most free memory first (``s``'s own n_gpu_layers and split
+        are ignored)."""
         info = self.models[s.model_path]
         names = [d.name for d in self.devices]
         if not names:
             return dataclasses.replace(s, n_gpu_layers=0, tensor_split=None)
+        cap = info.n_layer + 1 if cap is None else cap
         counts = [0] * len(names)
 
         def with_counts(c: list[int]) -> Settings:
@@ -201,7 +252,7 @@ class Candidates:
             return dataclasses.replace(s, n_gpu_layers=total, tensor_split=split)
 
         for i in sorted(range(len(names)), key=lambda i: -self.devices[i].free):
-            low, high = 0, info.n_layer + 1 - sum(counts)
+            low, high = 0, cap - sum(counts)
             while low < high:  # memory grows with the layers a device holds
                 mid = (low + high + 1) // 2
                 if self.fits(with_counts(counts[:i] + [mid] + counts[i + 1:])):
@@ -211,24 +262,26 @@ class Candidates:
             counts[i] = low
         return with_counts(counts)
 
-    def fewest_on_host(self, s: Settings, strategy: str) -> Settings | None:
-        """``s`` with every layer offloaded and the tensors of a placement strategy (or, for
-        ``"n_cpu_moe"``, the experts) kept on the host for the fewest first layers that make it fit;
-        None when even all of them do not."""
+    def fewest_on_host(self, s: Settings, strategy: str, whole: int = 0) -> Settings | None:
+        """``s`` with every layer but the first ``whole`` offloaded (those run wholly on the host) and the
+        tensors of a placement strategy (or, for ``"n_cpu_moe"``, the experts) kept on the host for the
+        fewest next layers that make it fit; None when even all of them do not. A layer wholly on the
+        host costs its attention's bytes too but no placement pattern: which reads fewer host bytes
+        per token depends on the model, so the seeds rank both."""
         info = self.models[s.model_path]
-        everything = info.n_layer + 1
+        wanted = info.n_layer + 1 - whole
 
         def offloaded(k: int) -> Settings:
-            if strategy == "n_cpu_moe":
-                return self.most_layers(dataclasses.replace(s, n_cpu_moe=k))
-            return self.most_layers(dataclasses.replace(s, tensor_overrides=placement_patterns(strategy, k)))
+            if strategy == "n_cpu_moe":  # llama.cpp counts it from layer 0, the layers wholly on the host too
+                return self.most_layers(dataclasses.replace(s, n_cpu_moe=whole + k), cap=wanted)
+            return self.most_layers(dataclasses.replace(s, tensor_overrides=placement_patterns(strategy, k, whole)), cap=wanted)
 
-        if offloaded(info.n_layer).n_gpu_layers < everything:
+        if wanted < 2 or offloaded(info.n_layer - whole).n_gpu_layers < wanted:
             return None
-        low, high = 1, info.n_layer
+        low, high = 1, info.n_layer - whole
         while low < high:  # the more layers' tensors on the host, the less each device needs
             mid = (low + high) // 2
-            if offloaded(mid).n_gpu_layers >= everything:
+            if offloaded(mid).n_gpu_layers >= wanted:
                 high = mid
             else:
                 low = mid + 1
@@ -297,9 +350,10 @@ class Candidates:
                     base = sp.settings(variant=variant, kv=kv, flash_attn=fa, offload_kqv=kqv, **common)
                     options.append(self.most_layers(base))
                     for strategy in strategies:
-                        option = self.fewest_on_host(base, strategy)
-                        if option is not None:
-                            options.append(option)
+                        for whole in WHOLE_ON_HOST:
+                            option = self.fewest_on_host(base, strategy, whole)
+                            if option is not None:
+                                options.append(option)
                 for s in options:
                     if s.n_gpu_layers and self.fits(s):
                         host, accel = self.traffic(s, depth)

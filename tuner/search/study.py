@@ -50,7 +50,7 @@ from ..model.inspect import ModelInfo
 from ..paths import ensure_writable, studies_dir
 from ..profile.dburl import redact_url
 from ..profile.document import Profile, output_folder
-from .candidates import Candidates, accelerator_devices, settings_key
+from .candidates import DEFAULT_MARGIN, Candidates, accelerator_devices, settings_key
 from .interrupt import CtrlC
 from .objective import OBJECTIVES, score
 from .budget import QualityBudget, median, rank_for_target, trade
@@ -166,7 +166,7 @@ class Tuner:
         final_repetitions: int = 8,
         final_candidates: int = 3,
         final_rounds: int = 3,
-        vram_margin: int = 512 * MiB,
+        vram_margin: int | None = None,
         storage: Any = None,
         study_name: str | None = None,
         out: str | Path | None = None,
@@ -270,8 +270,13 @@ class Tuner:
         if space_overrides:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
             self.space = self.space.narrowed(**space_overrides)
-        self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, vram_margin)
-        self.margin = vram_margin
+        # No --vram-margin: start at DEFAULT_MARGIN and follow what the trials measure (Candidates)
+        self.calibrated = vram_margin is None
+        self.margin = DEFAULT_MARGIN if vram_margin is None else vram_margin
+        peak_names = {f"CUDA{d['nvml_index']}": d["name"] for d in self.machine.devices
+                      if isinstance(d, dict) and d.get("nvml_index") is not None and d.get("name")}
+        self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, self.margin,
+                                     calibrate=self.calibrated, peak_names=peak_names)
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
 
     def _measure_quality(self, reference: str | Path | None, corpus: str | Path | None, chunks: int,
@@ -340,7 +345,8 @@ class Tuner:
                                           depth=self.bench.depth + self.bench.n_gen // 2,
                                           unified_memory=self.machine.unified_memory)
             for s in seeds:
-                study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True}, skip_if_exists=True)
+                study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True, "seed_margins": self._margins()},
+                                    skip_if_exists=True)
             self._enqueue_fit_seed(study, engine, seeds[0])
         self.emit({"kind": "start", "study": self.study_name, "storage": redact_url(self.storage), "resumed": resumed,
                    "done": len(done), "recovered": list(self.store.recovered), "space": self.space.describe(),
@@ -393,6 +399,8 @@ class Tuner:
                 done.setdefault(key, t)
             if t.user_attrs.get("oom_device"):
                 self.candidates.remember_oom(t.user_attrs["oom_device"], int(t.user_attrs["oom_need"]))
+            for device, extra in (t.user_attrs.get("beyond_estimate") or {}).items():
+                self.candidates.remember_usage(device, int(extra))
             if _measured(t):
                 launched_before += 1
         return done, launched_before
@@ -423,6 +431,11 @@ class Tuner:
                 self.store.sweep(study)
                 trial = study.ask()
                 self.store.claim(trial)
+                if trial.user_attrs.get("seed_margins") not in (None, self._margins()):
+                    # a seed sized with a margin that has since been calibrated: its replacement is queued
+                    trial.set_user_attr("reason", "a seed sized before the margin was calibrated")
+                    study.tell(trial, state=TrialState.PRUNED)
+                    continue
                 try:
                     s = self.space.suggest(trial)
                     if trial.user_attrs.get("fixed_settings"):
@@ -482,6 +495,8 @@ class Tuner:
                     return True
                 launched += 1
                 self._record(trial, result, est)
+                if self._calibrate(trial, result, est):
+                    self._reseed(study, done)
                 value = None
                 if result.ok:
                     value = score(self.objective, result.pp, result.tg, self.bench)
@@ -511,6 +526,37 @@ class Tuner:
         if self.trials is not None and launched:
             return elapsed / launched * max(0, self.trials - launched_before - launched)
         return None
+
+    def _margins(self) -> dict[str, int]:
+        return {d.name: self.candidates.margin_for(d.name) for d in self.devices}
+
+    def _calibrate(self, trial: Any, result: TrialResult, est: MemoryEstimate) -> bool:
+        """What the trial used beyond the arithmetic, per accelerator (recorded, and the margin learns
+        it). Returns whether a device's margin changed."""
+        before = self._margins()
+        beyond = self.candidates.learn_usage(result, est)
+        if not beyond:
+            return False
+        trial.set_user_attr("beyond_estimate", beyond)
+        changed = False
+        for device, old in before.items():
+            new = self.candidates.margin_for(device)
+            if new != old:
+                changed = True
+                self.emit({"kind": "margin", "number": trial.number, "device": device, "margin": new, "was": old,
+                           "message": f"{device}: margin {new / MiB:.0f} MiB (was {old / MiB:.0f}): trials used up to "
+                                      f"{max(self.candidates.beyond[device]) / MiB:.0f} MiB beyond the arithmetic there"})
+        return changed
+
+    def _reseed(self, study: Any, done: dict[str, Any]) -> None:
+        """The margin moved: the seeds are sized again with it (seeds still queued from before are
+        dropped as they come up; those already measured are not measured again)."""
+        margins = self._margins()
+        for s in self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
+                                       depth=self.bench.depth + self.bench.n_gen // 2,
+                                       unified_memory=self.machine.unified_memory):
+            if settings_key(s) not in done:
+                study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True, "seed_margins": margins})
 
     def _record(self, trial: Any, result: TrialResult, est: MemoryEstimate) -> None:
         trial.set_user_attr("outcome", result.outcome.value)
@@ -687,7 +733,7 @@ def _check_numbers(**values: Any) -> None:
     """The tune's numeric options: refused with the option named, before anything runs."""
     rules = {
         "time_budget": (lambda v: v is None or (math.isfinite(v) and v > 0), "a number of seconds above 0"),
-        "vram_margin": (lambda v: 0 <= v <= limits.MAX_DOCUMENT_INT, "a size >= 0"),
+        "vram_margin": (lambda v: v is None or 0 <= v <= limits.MAX_DOCUMENT_INT, "a size >= 0"),
         "trial_timeout": (lambda v: math.isfinite(v) and v > 0, "a number of seconds above 0"),
         "min_ctx": (lambda v: 1 <= v <= limits.MAX_CTX, f"a context from 1 to {limits.MAX_CTX} tokens"),
         "depth": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
