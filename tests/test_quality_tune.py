@@ -110,5 +110,8 @@ def test_cli_tune_with_no_budget_ends_with_the_trade(tmp_path, tuner_home):
     assert rows["trade-F16.gguf"]["quality"]["kl_mean"] == 0.0
     assert rows["trade-Q8_0.gguf"]["quality"]["kl_mean"] < rows["trade-Q4_K_M.gguf"]["quality"]["kl_mean"]
     assert any(r["best"] and r["best"]["tg"] > 0 for r in rows.values())
+    # the winner's variant shows re-measured figures, not a luckier first measurement of another candidate
+    winner = next(r for r in data["trade"] if r["path"] == data["best"]["settings"]["model_path"])
+    assert winner["best"]["remeasured"] is True
     assert data["quality"]["cache"]["reused"] is True and data["over_budget"] == {}
     assert data["profile"]["quality"]["reference"]["file_name"] == "trade-F16.gguf"
