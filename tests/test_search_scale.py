@@ -236,8 +236,14 @@ def test_the_margin_follows_what_trials_used_beyond_the_arithmetic(tuner_home, t
     assert all(n <= free["CUDA0"] - (CONTEXT_OVERHEAD + CALIBRATION_SLACK) for n in need)
     assert any(n > free["CUDA0"] - 512 * MiB for n in need)  # what the default margin had kept back
     assert result.counts["oom"] == 0 and all(engine.out_of_memory(engine.memory(s)) is None for _, s in launched)
-    stale = [e for e in events if e["kind"] == "pruned" and "seed sized before" in e.get("reason", "")]
-    assert not stale  # dropped seeds are not candidates: no event, no launch, no trial counted
+    # the seeds sized with 512 MiB and still queued were dropped: not candidates, so no event, no launch,
+    # and not counted among the candidates not launched
+    import optuna
+
+    trials = optuna.load_study(study_name=result.study_name, storage=storage).get_trials(deepcopy=False)
+    assert any(t.user_attrs.get("superseded") for t in trials)
+    assert not [e for e in events if e["kind"] == "pruned" and "seed sized before" in e.get("reason", "")]
+    assert result.counts["pruned"] == len([e for e in events if e["kind"] in ("pruned", "invalid")])
     assert result.counts["run"] == 8
 
     # resumed: the margin is the calibrated one from the start

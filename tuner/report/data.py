@@ -4,7 +4,7 @@
 model file (the most recent study of that model in the storage), a study name, or nothing (the
 most recent study in the storage). ``read_report_data(study, profile)`` turns its trials into rows,
 from the user attributes the tune loop records (``tuner.search.study``): ``settings``, ``outcome``,
-``message``, ``pp``, ``tg``, ``predicted``, ``actual``, ``layers``, ``reason``, ``duplicate_of``,
+``message``, ``pp``, ``tg``, ``predicted``, ``actual``, ``layers``, ``reason``, ``duplicate_of``, ``superseded``,
 ``interrupted``; and the variants' quality from the study attribute ``quality`` that a tune with a
 quality budget stores (``tuner.search.quality``: ``variants: {FILE_NAME: {kl: {mean, ci_low,
 ci_high}, ppl_ratio, ...}}``).
@@ -169,7 +169,7 @@ def _row(t: Any) -> TrialRow | None:
     from optuna.trial import TrialState
 
     attrs = t.user_attrs
-    if "duplicate_of" in attrs or t.state in (TrialState.RUNNING, TrialState.WAITING):
+    if "duplicate_of" in attrs or "superseded" in attrs or t.state in (TrialState.RUNNING, TrialState.WAITING):
         return None
     reason = attrs.get("reason") or attrs.get("message") or ""
     if attrs.get("interrupted"):

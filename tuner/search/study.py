@@ -341,9 +341,7 @@ class Tuner:
         resumed = bool(study.get_trials(deepcopy=False))
         engine = self.engine or TrialRunner(timeout_s=self.trial_timeout)
         if not resumed:
-            seeds = self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
-                                          depth=self.bench.depth + self.bench.n_gen // 2,
-                                          unified_memory=self.machine.unified_memory)
+            seeds = self._seeds()
             for s in seeds:
                 study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True, "seed_margins": self._margins()},
                                     skip_if_exists=True)
@@ -434,6 +432,7 @@ class Tuner:
                 if trial.user_attrs.get("seed_margins") not in (None, self._margins()):
                     # a seed sized with a margin that has since been calibrated: its replacement is queued
                     trial.set_user_attr("reason", "a seed sized before the margin was calibrated")
+                    trial.set_user_attr("superseded", True)  # not a candidate: counted and shown nowhere
                     study.tell(trial, state=TrialState.PRUNED)
                     continue
                 try:
@@ -527,6 +526,10 @@ class Tuner:
             return elapsed / launched * max(0, self.trials - launched_before - launched)
         return None
 
+    def _seeds(self) -> list[Settings]:
+        return self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
+                                     depth=self.bench.depth + self.bench.n_gen // 2, unified_memory=self.machine.unified_memory)
+
     def _margins(self) -> dict[str, int]:
         return {d.name: self.candidates.margin_for(d.name) for d in self.devices}
 
@@ -552,9 +555,7 @@ class Tuner:
         """The margin moved: the seeds are sized again with it (seeds still queued from before are
         dropped as they come up; those already measured are not measured again)."""
         margins = self._margins()
-        for s in self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
-                                       depth=self.bench.depth + self.bench.n_gen // 2,
-                                       unified_memory=self.machine.unified_memory):
+        for s in self._seeds():
             if settings_key(s) not in done:
                 study.enqueue_trial(self.space.params_for(s), user_attrs={"seed": True, "seed_margins": margins})
 
@@ -726,7 +727,8 @@ def _counts(trials: Sequence[Any]) -> dict[str, int]:
     ran = [t for t in trials if _measured(t)]
     return {
         "run": len(ran),
-        "pruned": sum(1 for t in trials if t.state == TrialState.PRUNED and "duplicate_of" not in t.user_attrs),
+        "pruned": sum(1 for t in trials if t.state == TrialState.PRUNED and "duplicate_of" not in t.user_attrs
+                      and "superseded" not in t.user_attrs),
         "oom": sum(1 for t in trials if t.user_attrs.get("outcome") == "oom"),
         "failed": sum(1 for t in ran if t.user_attrs.get("outcome") not in ("ok", "oom")),
     }
