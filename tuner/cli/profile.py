@@ -72,6 +72,26 @@ def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
         click.echo(f"warning: {warning.message}", err=True)
 
 
+def _report_copied(results: list[Any], force: bool, *, label: Any, empty: str, invalid: str) -> None:
+    """What an import or a pull did, a line a profile and a summary; one error line (exit 2) when any
+    profile was invalid or could not be written."""
+    counts: dict[str, int] = {}
+    for result in results:
+        counts[result.action] = counts.get(result.action, 0) + 1
+        where = f" -> {result.path}" if result.action in ("imported", "replaced") else ""
+        click.echo(f"{label(result.index)} {result.action}{where}: {result.detail}")
+    click.echo(", ".join(f"{n} {action}" for action, n in counts.items()) or empty)
+    if counts.get("conflict") or (counts.get("duplicate") and not force):
+        click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
+    problems = []
+    if counts.get("invalid"):
+        problems.append(f"{counts['invalid']} profile(s) {invalid}")
+    if counts.get("failed"):
+        problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
+    if problems:
+        raise ProfileCommandError("; ".join(problems))
+
+
 def _chosen_or_all(profiles: tuple[str, ...], hint: str, verb: str = "export") -> list[Profile]:
     """The profiles named, or every readable one in the user's folder (the unreadable ones said on stderr)."""
     if profiles:
@@ -342,22 +362,8 @@ def import_command(bundle: str, force: bool, dest: str | None) -> None:
         except TunerError as exc:
             raise ProfileCommandError(f"{bundle}: {exc}") from None
     _show_warnings(caught)
-    counts: dict[str, int] = {}
-    for result in results:
-        counts[result.action] = counts.get(result.action, 0) + 1
-        where = f" -> {result.path}" if result.action in ("imported", "replaced") else ""
-        click.echo(f"profiles[{result.index}] {result.action}{where}: {result.detail}")
-    summary = ", ".join(f"{n} {action}" for action, n in counts.items()) or "the bundle is empty"
-    click.echo(summary)
-    if counts.get("conflict") or (counts.get("duplicate") and not force):
-        click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
-    problems = []
-    if counts.get("invalid"):
-        problems.append(f"{counts['invalid']} profile(s) in {bundle} are invalid and were not imported")
-    if counts.get("failed"):
-        problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
-    if problems:
-        raise ProfileCommandError("; ".join(problems))
+    _report_copied(results, force, label=lambda i: f"profiles[{i}]", empty="the bundle is empty",
+                   invalid=f"in {bundle} are invalid and were not imported")
 
 
 def _registry_url(url: str | None, flag: str) -> str:
@@ -427,21 +433,8 @@ def pull_command(ctx: click.Context, url: str | None, hardware_class: str | None
         except TunerError as exc:
             raise ProfileCommandError(str(exc)) from None
     _show_warnings(caught)
-    counts: dict[str, int] = {}
-    for result in results:
-        counts[result.action] = counts.get(result.action, 0) + 1
-        where = f" -> {result.path}" if result.action in ("imported", "replaced") else ""
-        click.echo(f"registry #{result.index} {result.action}{where}: {result.detail}")
-    click.echo(", ".join(f"{n} {action}" for action, n in counts.items()) or "the registry has no profile for this hardware class")
-    if counts.get("conflict") or (counts.get("duplicate") and not force):
-        click.echo("nothing was overwritten; --force replaces existing profiles", err=True)
-    problems = []
-    if counts.get("invalid"):
-        problems.append(f"{counts['invalid']} profile(s) in the registry are invalid and were not pulled")
-    if counts.get("failed"):
-        problems.append(f"{counts['failed']} profile(s) could not be written (see above)")
-    if problems:
-        raise ProfileCommandError("; ".join(problems))
+    _report_copied(results, force, label=lambda i: f"registry #{i}", empty="the registry has no profile for this hardware class",
+                   invalid="in the registry are invalid and were not pulled")
 
 
 __all__ = ["profile_group"]

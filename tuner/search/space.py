@@ -157,14 +157,9 @@ class SearchSpace:
         while True:
             replay = _Replay(path)
             yield self.suggest(replay)
-            sizes = replay.sizes
-            index = (replay.path + [0] * len(sizes))[: len(sizes)]
-            j = len(sizes) - 1
-            while j >= 0 and index[j] + 1 >= sizes[j]:
-                j -= 1
-            if j < 0:
+            path = replay.next_path()
+            if path is None:
                 return
-            path = index[:j] + [index[j] + 1]
 
     def grid_size(self) -> int:
         """How many candidates ``grid`` yields, counted without listing them."""
@@ -283,6 +278,16 @@ class _Replay:
         self.sizes: list[int] = []
         self.asked: dict[str, Any] = {}
 
+    def next_path(self) -> list[int] | None:
+        """The path of the next leaf after the one this replay walked (an odometer over the choices
+        it met, the last question turning fastest), or None when this was the last."""
+        sizes = self.sizes
+        index = (self.path + [0] * len(sizes))[: len(sizes)]
+        j = len(sizes) - 1
+        while j >= 0 and index[j] + 1 >= sizes[j]:
+            j -= 1
+        return None if j < 0 else index[:j] + [index[j] + 1]
+
     def _pick(self, n: int) -> int:
         i = len(self.sizes)
         self.sizes.append(n)
@@ -304,14 +309,9 @@ def _options(dim: Dimension, facts: Facts, chosen: Mapping[str, Any]) -> list[tu
     while True:
         replay = _Replay(path)
         out.append((_value(dim, replay, facts, chosen), replay.asked))
-        sizes = replay.sizes
-        index = (replay.path + [0] * len(sizes))[: len(sizes)]
-        j = len(sizes) - 1
-        while j >= 0 and index[j] + 1 >= sizes[j]:
-            j -= 1
-        if j < 0:
+        path = replay.next_path()
+        if path is None:
             return out
-        path = index[:j] + [index[j] + 1]
 
 
 def _merge(asked: dict[str, Any], name: str, spec: Any) -> None:
