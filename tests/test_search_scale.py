@@ -23,7 +23,7 @@ from tuner.machine.simulated import SIMULATED
 from tuner.model.synthetic import llama_like
 from tuner.search import exhaustive
 from tuner.search.candidates import WHOLE_ON_HOST, Candidates, accelerator_devices
-from tuner.search.space import build_space, placement_patterns
+from tuner.search.space import build_space
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -61,13 +61,7 @@ def _block_value(block, space, engine, bench, s, params):
     w = block.weights(strategy)
     fit = block.fits(w, s.offload_kqv, s.type_k, s.flash_attn == "on", s.n_ctx, s.n_ubatch)[j, j2, r, g]
     context = bench.depth + bench.n_gen / 2
-    states = {"none": {}}
-    if strategy != "none":
-        states["placed"] = {"tensor_overrides": placement_patterns(strategy, L)}
-    if block.moe:
-        states["experts"] = {"n_cpu_moe": L}
-        if strategy != "none":
-            states["both"] = {**states["placed"], **states["experts"]}
+    states = exhaustive._states(strategy, L, block.moe)
     base = dict(model_path=s.model_path, flash_attn=s.flash_attn, type_k=s.type_k, type_v=s.type_v, offload_kqv=s.offload_kqv,
                 n_threads=s.n_threads, n_threads_batch=s.n_threads)
     times = {}

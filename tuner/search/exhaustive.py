@@ -51,6 +51,19 @@ class Optimum:
     feasible: int  # of those, how many fit
 
 
+def _states(strategy: str, n_layer: int, moe: bool) -> dict[str, dict[str, Any]]:
+    """The settings each layer state adds, for per-layer times: as placed ("none"), the strategy's
+    tensors on the host ("placed"), the experts there ("experts"), both ("both")."""
+    states: dict[str, dict[str, Any]] = {"none": {}}
+    if strategy != "none":
+        states["placed"] = {"tensor_overrides": placement_patterns(strategy, n_layer)}
+    if moe:
+        states["experts"] = {"n_cpu_moe": n_layer}
+        if strategy != "none":
+            states["both"] = {**states["placed"], **states["experts"]}
+    return states
+
+
 def _prefix(x: np.ndarray) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(x)])
 
@@ -310,13 +323,7 @@ def optimum(space: SearchSpace, engine: RooflineEngine, bench: BenchSpec) -> Opt
         weights = {strategy: block.weights(strategy) for strategy in space.placements}
         for strategy, kqv, (kv, fa) in itertools.product(space.placements, space.offload_kqv, kv_fa):
             base = dict(model_path=variant, flash_attn=fa, type_k=kv, type_v=kv, offload_kqv=kqv, rpc_servers=space.rpc_servers)
-            states = {"none": {}}
-            if strategy != "none":
-                states["placed"] = {"tensor_overrides": placement_patterns(strategy, L)}
-            if block.moe:
-                states["experts"] = {"n_cpu_moe": L}
-                if strategy != "none":
-                    states["both"] = {**states["placed"], **states["experts"]}
+            states = _states(strategy, L, block.moe)
             times = {}
             for t in threads:
                 times[t] = {}
