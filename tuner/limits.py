@@ -58,7 +58,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f\x80-\x9f\u2028\u2029]")
 
 # llama.cpp matches each override against every tensor name with std::regex_search, whose
 # backtracking a pattern like "(a+)+$" makes exponential: tuner.Llama hung on a shared profile.
-# So a pattern is at most this long and uses a restricted syntax (see check_tensor_pattern).
+# So a pattern is at most this long, and matched with a guarantee (see tensor_regex).
 # (4096 characters: an alternation of every layer of a 200-layer model, or of the exact tensor names a
 # log kept on the CPU, as tuner.report.diagnose writes them, fits.)
 MAX_OVERRIDES = 64
@@ -116,22 +116,39 @@ def check_name(text: object, what: str, *, limit: int = MAX_NAME) -> str | None:
     return None
 
 
-# The restricted syntax of a tensor override: what llama.cpp's documented overrides and this tuner's
-# placements use (literals, ".", escapes such as "\." and "\d", character classes, groups of
-# alternatives, optional groups, repeated single characters or classes, anchors), minus what makes a
-# backtracking matcher slow: a repeated group ("(a+)+", "(\w*)*", "(a|aa)+"), a backreference or a
-# lookaround, two unbounded repetitions with nothing required between them (".*.*"), and more than
-# MAX_UNBOUNDED unbounded repetitions in all. What is left matches a tensor name (at most 64
-# characters, GGML_MAX_NAME) in polynomial time of low degree, in Python's re and in llama.cpp's
-# std::regex alike.
-MAX_UNBOUNDED = 4
-_QUANT = re.compile(r"(?:[*+?]|\{(\d*)(?:(,)(\d*))?\})[?+]?")
-_GROUP_START = re.compile(r"\(\?(?::|P<\w+>|<\w+>|[aiLmsux-]+(?::|\)))")
+# Matching with a guarantee. llama.cpp matches an override with std::regex_search, a backtracking
+# matcher: "(a+)+$", ".?" * 30 + ".{30}!" or eight ".{0,40}" then "!" take exponential time, and
+# no list of bad shapes catches them all. So every override is matched here with RE2 (google-re2),
+# whose automaton matches in time linear in the name whatever the pattern; llama.cpp is then given
+# only the names it matched, as patterns this tool builds (escaped literals: see
+# tuner.engine.overrides), never the pattern as written. A pattern RE2 cannot express (a
+# backreference, a lookaround) is refused: tensor names need neither.
+_RE2_OPTIONS: object = None
+
+
+def tensor_regex(pattern: str):
+    """``pattern`` compiled by RE2 (linear-time matching); raises ``ValueError`` with RE2's reason
+    when RE2 cannot express it. Every matcher of tensor overrides in this tool calls this."""
+    global _RE2_OPTIONS
+    import re2  # google-re2: a linear-time engine (see above)
+
+    if _RE2_OPTIONS is None:
+        options = re2.Options()
+        options.log_errors = False  # RE2 would print its own reason to stderr; ours is the one line
+        _RE2_OPTIONS = options
+    try:
+        return re2.compile(pattern, _RE2_OPTIONS)
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else exc
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", errors="replace")
+        raise ValueError(str(reason)) from None
 
 
 def check_tensor_pattern(pattern: object) -> str | None:
     """Why ``pattern`` is not an acceptable tensor override (a regular expression over tensor names,
-    kept on the CPU), or None when it is: bounded length, compiles, and the restricted syntax above."""
+    kept on the CPU), or None when it is: bounded length, no control character, and RE2 can express
+    it (so it is matched in linear time: see ``tensor_regex``)."""
     if not isinstance(pattern, str) or not pattern:
         return f"expected a regular expression, got {pattern!r}"[:200]
     if len(pattern) > MAX_OVERRIDE_LENGTH:
@@ -140,71 +157,16 @@ def check_tensor_pattern(pattern: object) -> str | None:
     if bad is not None:
         return f"the pattern holds a control character ({bad})"
     try:
-        re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as exc:
-        return f"not a valid regular expression: {exc}"
-    slow = "could make matching take minutes or forever (llama.cpp matches it against every tensor name by backtracking); "
-    hint = r"write the cases out instead, e.g. blk\.(0|1|2)\.ffn_.* or blk\.\d+\.ffn_up"
-    unbounded = 0
-    open_repeat = False  # the last thing that must match was an unbounded repetition
-    i, n = 0, len(pattern)
-    while i < n:
-        ch = pattern[i]
-        kind = "atom"
-        if ch == "\\":
-            if pattern[i + 1 : i + 2] in tuple("123456789"):
-                return f"a backreference ({pattern[i:i + 2]}) {slow}{hint}"
-            i += 2
-        elif ch == "[":
-            j = i + 1
-            if pattern[j : j + 1] == "^":
-                j += 1
-            if pattern[j : j + 1] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            i = j + 1
-        elif ch == "(":
-            if pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
-                return f"a lookaround ({pattern[i:i + 4]}...) is not needed to name tensors; {hint}"
-            if pattern.startswith("(?P=", i):
-                return f"a backreference ({pattern[i:i + 5]}...) {slow}{hint}"
-            m = _GROUP_START.match(pattern, i)
-            i = m.end() if m else i + 1
-            continue
-        elif ch == ")":
-            kind = "group"
-            i += 1
-        elif ch in "|^$":
-            i += 1
-            continue
-        else:
-            i += 1
-        q = _QUANT.match(pattern, i)
-        if q is None:
-            open_repeat = False  # something required between repetitions
-            continue
-        i = q.end()
-        text = q.group()
-        if kind == "group" and not text.startswith("?"):
-            return f"a repeated group ({text} after a group) {slow}{hint}"
-        low, comma, high = q.group(1), q.group(2), q.group(3)
-        endless = text[0] in "*+" or (comma is not None and (not high or int(high) > 64))
-        if text[0] == "{" and not comma and low and int(low) > 64:
-            return f"a repetition of {low} (a tensor name has at most 64 characters)"
-        if endless:
-            if open_repeat:
-                return f"two unbounded repetitions in a row (at {pattern[max(0, i - 8):i]!r}) {slow}{hint}"
-            unbounded += 1
-            open_repeat = True
-            if unbounded > MAX_UNBOUNDED:
-                return f"more than {MAX_UNBOUNDED} unbounded repetitions (*, +, {{m,}}) {slow}{hint}"
+        tensor_regex(pattern)
+    except ValueError as exc:
+        return (f"not a regular expression RE2 can match in linear time ({exc}); a backreference or a "
+                r"lookaround is never needed to name tensors: write e.g. blk\.(1[0-9]|2[0-4])\.ffn_.*_exps\.")
     return None
 
 
 __all__ = [
     "MAX_CTX", "MAX_BATCH", "MAX_GPU_LAYERS", "MAX_CPU_MOE", "MAX_THREADS", "MAX_DEVICES", "MAX_PROPORTION", "SETTING_MAX", "MAX_NAME", "MAX_PATH",
-    "MAX_OVERRIDES", "MAX_OVERRIDE_LENGTH", "MAX_UNBOUNDED", "MIN_PORT", "MAX_PORT", "MAX_GGUF_LAYERS", "MAX_GGUF_EMBD", "MAX_GGUF_HEADS",
+    "MAX_OVERRIDES", "MAX_OVERRIDE_LENGTH", "MIN_PORT", "MAX_PORT", "MAX_GGUF_LAYERS", "MAX_GGUF_EMBD", "MAX_GGUF_HEADS",
     "MAX_GGUF_EXPERTS", "MAX_GGUF_CONTEXT", "MAX_DOCUMENT_INT", "MAX_DOCUMENT_FLOAT",
-    "shown", "control_character", "check_name", "check_tensor_pattern",
+    "shown", "control_character", "check_name", "check_tensor_pattern", "tensor_regex",
 ]

@@ -71,15 +71,22 @@ class TensorBuftOverride(ctypes.Structure):
 class OverrideArray:
     """A NULL-terminated array of overrides, kept alive as long as this object lives."""
 
-    def __init__(self, patterns: tuple[str, ...] | list[str]) -> None:
+    def __init__(self, patterns: tuple[str, ...] | list[str], model_path: str | os.PathLike[str]) -> None:
         from ..errors import SettingsError
         from ..limits import check_tensor_pattern
+        from .overrides import resolved_patterns, tensor_names
 
-        # the last gate before llama.cpp matches them against every tensor name (std::regex)
+        # the last gate before llama.cpp: it gets the names the patterns match in this model (RE2,
+        # linear time), never the patterns themselves (std::regex backtracks: see engine/overrides.py)
         for i, pattern in enumerate(patterns):
             problem = check_tensor_pattern(pattern)
             if problem:
                 raise SettingsError(f"tensor_overrides[{i}]", problem)
+        try:
+            patterns = resolved_patterns(patterns, tensor_names(model_path))
+        except ValueError as exc:
+            raise SettingsError("tensor_overrides", str(exc)) from None
+        self.resolved = tuple(patterns)
         buft = cpu_buffer_type()
         self._patterns = [p.encode() for p in patterns]
         self.array = (TensorBuftOverride * (len(self._patterns) + 1))()

@@ -48,6 +48,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..limits import tensor_regex
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import ModelInfo
 from ..model.special import flash_attn_forms
@@ -237,7 +238,7 @@ class _Compiled:
     def mask(self, patterns: tuple[str, ...]) -> np.ndarray:
         """Tensors a set of ``-ot PATTERN=CPU`` regexes keeps on the host (as ``estimate`` applies them)."""
         if patterns not in self.masks:
-            compiled = [re.compile(p) for p in patterns]
+            compiled = [tensor_regex(p) for p in patterns]
             self.masks[patterns] = np.array([any(p.search(n) for p in compiled) for n in self.names], dtype=bool)
         return self.masks[patterns]
 

@@ -136,7 +136,7 @@ class Worker:
         if settings.host_overrides:
             from .ggml import OverrideArray
 
-            overrides = OverrideArray(settings.host_overrides)
+            overrides = OverrideArray(settings.host_overrides, s["model_path"])
             params.tensor_buft_overrides = overrides.address
             keep.append(overrides)
         started = time.perf_counter()

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Mapping, Sequence
 
 from ..errors import SettingsError
+from ..limits import tensor_regex
 from .inspect import KV_TYPE_BLOCKS, ModelInfo, tensor_role
 from .special import context_tokens, flash_attn_forms, offloaded_layers
 
@@ -143,7 +144,7 @@ def layer_devices(n_layer: int, n_gpu_layers: int, devices: Sequence[str], tenso
     return out
 
 
-def _matches(patterns: Sequence[re.Pattern[str]], name: str) -> bool:
+def _matches(patterns: Sequence[Any], name: str) -> bool:
     return any(p.search(name) for p in patterns)
 
 
@@ -260,7 +261,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
             raise SettingsError("main_gpu", f"expected a device index below {len(devices)} ({', '.join(devices)}), got {settings.main_gpu}")
         layer_targets, tensor_split = [devices[settings.main_gpu]], None
     placement = layer_devices(n_layer, n_gpu_layers, layer_targets, tensor_split)
-    patterns = [re.compile(p) for p in tensor_overrides]
+    patterns = [tensor_regex(p) for p in tensor_overrides]  # RE2: linear time (tuner.limits)
     weights: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
     kv: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}
     layers: dict[str, int] = {CPU: 0, **{d: 0 for d in devices}}

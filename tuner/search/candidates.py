@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from ..engine.base import TrialResult
 from ..engine.settings import Settings
+from ..limits import tensor_regex
 from ..machine.probe import Machine
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import KV_TYPE_BLOCKS, ModelInfo
@@ -293,7 +294,7 @@ class Candidates:
         expert tensors; the embeddings table gives one row), and the KV cache at ``depth``."""
         info = self.models[s.model_path]
         placement = layer_devices(info.n_layer, s.n_gpu_layers, [d.name for d in self.devices], s.tensor_split)
-        patterns = [re.compile(p) for p in s.host_overrides]
+        patterns = [tensor_regex(p) for p in s.host_overrides]
         used = info.expert_used_count / info.expert_count if info.is_moe else 1.0
         host = accel = 0.0
         for t in info.tensors:
