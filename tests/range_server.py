@@ -7,8 +7,9 @@ range requests, ETags and the Hugging Face URL layout added.
                                          needs "Authorization: Bearer <token>"
 
 Modes: ``ranges=False`` answers 200 with the whole file (and far more: it streams padding, so the
-test can see the client hung up early); ``delay`` sleeps before answering. Every request is
-recorded (path, headers, status, bytes sent).
+test can see the client hung up early); ``delay`` sleeps before answering; ``raw`` answers these
+bytes instead of HTTP (a malformed answer), ``trickle`` seconds apart, one byte at a time (a
+server that sends too slowly). Every request is recorded (path, headers, status, bytes sent).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class ModelServer:
     token: str = "secret-token"
     ranges: bool = True
     delay: float = 0.0
+    raw: bytes | None = None
+    trickle: float = 0.0
     requests: list[Seen] = field(default_factory=list)
 
     def start(self) -> "ModelServer":
@@ -51,6 +54,12 @@ class ModelServer:
                 server.requests.append(seen)
                 if server.delay:
                     time.sleep(server.delay)
+                if server.raw is not None:
+                    try:
+                        server._send_raw(self, seen)
+                    except (BrokenPipeError, ConnectionResetError):
+                        seen.aborted = True
+                    return
                 try:
                     server._answer(self, seen)
                 except (BrokenPipeError, ConnectionResetError):
@@ -62,6 +71,19 @@ class ModelServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
         self._thread.start()
         return self
+
+    def _send_raw(self, h: BaseHTTPRequestHandler, seen: Seen) -> None:
+        h.close_connection = True
+        data = self.raw or b""
+        if not self.trickle:
+            h.wfile.write(data)
+            seen.bytes_sent = len(data)
+            return
+        for i in range(len(data)):
+            h.wfile.write(data[i:i + 1])
+            h.wfile.flush()
+            seen.bytes_sent += 1
+            time.sleep(self.trickle)
 
     def stop(self) -> None:
         self._httpd.shutdown()

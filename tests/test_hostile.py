@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -555,3 +556,54 @@ except StudyError as exc:
     # the trials committed before were not run again (the one being recorded when the disk filled may
     # be), then the 3 leaders were measured again in 3 rounds
     assert rerun["launched"] <= (40 - got["launched"] + 1) + 9
+
+
+# -- HTTP: one deadline per request and per command; malformed answers (second sweep) ----------------
+
+
+@pytest.fixture
+def served_models(tmp_path):
+    from tests.range_server import ModelServer
+
+    server = ModelServer(root=tmp_path).start()
+    yield server
+    server.stop()
+
+
+def test_a_trickling_server_ends_at_the_timeout(served_models):
+    from tests.test_remote import _one_line_error, run
+
+    served = served_models
+    # a valid-looking answer that arrives a byte every 0.2 s: 4 KB would take 15 minutes
+    served.raw = b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-65535/1000000\r\n\r\n" + b"G" * 4096
+    served.trickle = 0.2
+    started = time.monotonic()
+    line = _one_line_error(run("inspect", served.url("any.gguf"), env={"OFFLOAD_TUNER_HTTP_TIMEOUT": "2"}))
+    elapsed = time.monotonic() - started
+    assert "did not finish answering within 2 s" in line and "OFFLOAD_TUNER_HTTP_TIMEOUT" in line, line
+    assert elapsed < 6, elapsed  # one request's deadline (not retried: the server answers, too slowly)
+    assert len(served.requests) == 1
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b"HTTP/1.1 206 Partial Content\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(150)) + b"\r\n", "more than 100 header lines"),
+    (b"HTTP/9 banana\r\n\r\n", "a bad status line"),
+    (b"HTTP/1.1 206 Partial Content\r\nX-Long: " + b"a" * 200_000 + b"\r\n\r\n", "a header line longer than 64 KiB"),
+    (b"HTTP/1.1 206 Partial Content\r\nContent-Range: bytes 0-65535/1000000\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc",
+     "chunked encoding is broken"),
+])
+def test_a_malformed_http_answer_is_one_line(served_models, raw, why):
+    from tests.test_remote import _one_line_error, run
+
+    served_models.raw = raw
+    line = _one_line_error(run("inspect", served_models.url("any.gguf"), env={"OFFLOAD_TUNER_HTTP_TIMEOUT": "5"}))
+    assert "the server's answer is not valid HTTP" in line and why in line, line
+
+
+def test_a_redirect_loop_is_one_line(served_models):
+    from tests.test_remote import _one_line_error, run
+
+    loop = "HTTP/1.1 302 Found\r\nLocation: {url}\r\nContent-Length: 0\r\n\r\n"
+    served_models.raw = loop.format(url=served_models.url("any.gguf")).encode()
+    line = _one_line_error(run("inspect", served_models.url("any.gguf"), env={"OFFLOAD_TUNER_HTTP_TIMEOUT": "5"}))
+    assert "too many redirects (a redirect loop, or more than 10 in a row)" in line, line

@@ -766,12 +766,12 @@ def test_to_dict_is_json_ready_and_complete() -> None:
     d = r.to_dict()
     json.dumps(d)
     assert set(d) == {"layers_offloaded", "layers_total", "oom", "model_buffers", "kv_buffers", "compute_buffers",
-                      "kv_size", "type_k", "type_v", "n_ctx", "devices", "prompt_tps", "eval_tps", "build", "errors",
+                      "kv_size", "type_k", "type_v", "n_ctx", "devices", "prompt_tps", "eval_tps", "build", "errors", "processor_split", "notes",
                       "loads"}
     assert d["errors"] == ["llama_init_from_model: failed to initialize the context: boom"]
     assert len(d["loads"]) == 1 and d["loads"][0]["n_ctx"] == 8192 and d["loads"][0]["kv_size"] == 1024 * MiB
     loads = tuple(ModelLoad(**load) for load in d["loads"])
-    assert LoadReport(**{**d, "errors": tuple(d["errors"]), "loads": loads}) == r
+    assert LoadReport(**{**d, "errors": tuple(d["errors"]), "notes": tuple(d["notes"]), "loads": loads}) == r
 
 
 def test_format_report() -> None:

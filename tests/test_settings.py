@@ -36,9 +36,9 @@ def test_defaults_are_valid():
         ({"rpc_servers": ["127.0.0.1:99999"]}, "settings.rpc_servers[0]: expected host:port (port 1-65535), got '127.0.0.1:99999'"),
         ({"rpc_servers": ["127.0.0.1:50052\n"]}, "settings.rpc_servers[0]: expected host:port (port 1-65535), got '127.0.0.1:50052\\n'"),
         ({"model_path": "m.gguf\ntouch /tmp/x"}, "settings.model_path: the path holds a control character (\\n); rename it"),
-        ({"tensor_overrides": ["(a+)+$"]}, "settings.tensor_overrides[0]: a repeated group (+ after a group) could make matching "
-                                           "take minutes or forever (llama.cpp matches it against every tensor name by "
-                                           "backtracking); write the cases out instead, e.g. blk\\.(0|1|2)\\.ffn_.* or blk\\.\\d+\\.ffn_up"),
+        ({"tensor_overrides": [r"(a)\1"]}, "settings.tensor_overrides[0]: RE2, which matches tensor overrides in linear "
+                                           "time, cannot express it (invalid escape sequence: \\1); a backreference or a "
+                                           "lookaround is never needed to name tensors: write e.g. blk\\.(1[0-9]|2[0-4])\\.ffn_.*_exps\\."),
         ({"tensor_overrides": ["x" * 5000]}, "settings.tensor_overrides[0]: a pattern of 5000 characters (at most 4096)"),
         ({"n_cpu_moe": -1}, "settings.n_cpu_moe: expected a count of layers >= 0, got -1"),
         ({"n_cpu_moe": 10**400}, "settings.n_cpu_moe: expected at most 1024, got a number of 401 digits"),

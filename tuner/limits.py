@@ -157,9 +157,13 @@ def check_tensor_pattern(pattern: object) -> str | None:
     if bad is not None:
         return f"the pattern holds a control character ({bad})"
     try:
+        re.compile(pattern)  # (compiling matches nothing: only the syntax error's wording is wanted)
+    except (re.error, RecursionError, OverflowError) as exc:
+        return f"not a valid regular expression: {exc}"
+    try:
         tensor_regex(pattern)
     except ValueError as exc:
-        return (f"not a regular expression RE2 can match in linear time ({exc}); a backreference or a "
+        return (f"RE2, which matches tensor overrides in linear time, cannot express it ({exc}); a backreference or a "
                 r"lookaround is never needed to name tensors: write e.g. blk\.(1[0-9]|2[0-4])\.ffn_.*_exps\.")
     return None
 

@@ -136,14 +136,38 @@ class LoadReport:
     build: str | None = None
     errors: tuple[str, ...] = ()
     loads: tuple[ModelLoad, ...] = ()
+    # ``ollama ps``'s PROCESSOR column ("48%/52% CPU/GPU", "100% GPU"): the share of the loaded
+    # model on each side, in percent, where the text is such a table
+    processor_split: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()   # what a reader of the figures must know (Ollama rounds its sizes)
 
     @property
     def partial_offload(self) -> bool | None:
         """True when some but not all layers were offloaded (the slow middle ground); None when
         the log doesn't say. Nothing offloaded (a CPU run) is not partial offload."""
         if self.layers_offloaded is None or self.layers_total is None:
+            if self.processor_split:
+                return 0 < self.processor_split.get("GPU", 0) < 100
             return None
         return 0 < self.layers_offloaded < self.layers_total
+
+    @property
+    def cpu_only(self) -> bool | None:
+        """Whether the run used no accelerator at all, from every fact the log gives, in one place:
+        False when any layer really ran offloaded, any accelerator holds weights, KV or compute, or
+        ``ollama ps`` shows a GPU share; True when layers were counted and none ran on an
+        accelerator (nothing offloaded, or the silent CPU fallback); None when the log does not say."""
+        if self.effective_layers_offloaded:
+            return False
+        for buffers in (self.device_weights, self.kv_buffers, self.compute_buffers):
+            if any(size > 0 and not _is_host_label(label) and label != "compute buffer total"
+                   for label, size in buffers.items()):
+                return False
+        if self.processor_split:
+            return self.processor_split.get("GPU", 0) == 0
+        if self.effective_layers_offloaded == 0:
+            return True
+        return None
 
     @property
     def device_weights(self) -> dict[str, int]:
@@ -234,6 +258,12 @@ def _bytes(num: str, unit: str = "MiB") -> int | None:
         return None
     size = int(round(v * _UNIT_FACTOR.get(unit.upper(), MiB)))
     return size if size <= _MAX_BYTES else None
+
+
+def _ollama_bytes(text: str | None) -> int | None:
+    """A size as Ollama's format.HumanBytes2 prints it ("11.9 GiB", "457.0 MiB", "512 B")."""
+    m = _OLLAMA_SIZE.match(text) if text else None
+    return _bytes(m.group(1), m.group(2)) if m else None
 
 
 def _rate(s: str | None) -> float | None:
@@ -636,6 +666,35 @@ _RX_JSON_COMMIT = re.compile(r"\"commit\"\s*:\s*\"([0-9a-fA-F]{4,40})\"")
 # 2024 llama-server text log: "INFO [  main] build info | tid=\"1\" timestamp=1717243200 build=3046 commit=\"5921b8f0\""
 _RX_KV_BUILD = re.compile(r"\bbuild=(\d+)\s+commit=\"?([0-9a-fA-F]{4,40})\b")
 
+# ---- Ollama's own engine (Go, 2025-2026): slog key=value lines, sizes from format.HumanBytes2 ----
+# HumanBytes2 (format/bytes.go) prints "%.1f GiB" / "%.1f MiB" / "%.1f KiB" (binary units, one
+# decimal) or "%d B": a figure is Ollama's rounding, up to 0.05 GiB off. The lines, as slog's text
+# handler writes them (a value with a space is quoted), after "time=... level=INFO source=...":
+#   ml/backend/ggml/ggml.go (May-Oct 2025; a Trace line since):
+#     slog.Info("model weights", "buffer", ggml_backend_buffer_name(bs), "size", HumanBytes2(...))
+#       -> msg="model weights" buffer=CUDA1 size="11.9 GiB"
+#     slog.Info("compute graph", "backend", ggml_backend_name(..), "buffer_type", ggml_backend_buft_name(..), "size", ...)
+#       -> msg="compute graph" backend=CPU buffer_type=CPU size="2.2 MiB"
+#   ml/device.go BackendMemory.Log (Aug 2025-2026): one line per device and kind, then the total:
+#     slog.Log(ctx, level, "model weights" | "kv cache" | "compute graph", "device", gpu.Name, "size", ...)
+#       -> msg="kv cache" device=CUDA0 size="1.1 GiB";   msg="total memory" size="4.7 GiB"
+#   llm/server.go (Aug-Sep 2025) / server/sched.go (Oct 2025-2026): the scheduler, before a load:
+#     slog.Info("gpu memory", "id", gpu.ID, ["library", gpu.Library,] "available", .., "free", HumanBytes2(gpu.FreeMemory), ..)
+#       -> msg="gpu memory" id=GPU-5c0d... library=CUDA available="3.3 GiB" free="4.3 GiB" minimum="457.0 MiB"
+# ("offloaded %d/%d layers to GPU" is llama.cpp's text, printed by ggml.go as a msg: read as a message.)
+_OLLAMA_MSG = re.compile(r'\smsg="(model weights|kv cache|compute graph|gpu memory)"')
+_SLOG_ATTR = re.compile(r'(?<!\S)(\w{1,32})=(?:"((?:[^"\\]|\\.){0,256})"|([^\s"]{1,256}))')
+_OLLAMA_SIZE = re.compile(r"^(\d{1,15}(?:\.\d{1,6})?)\s?([KMG]iB|B)$")
+_OLLAMA_NOTE = ("sizes from Ollama's own engine are its rounded figures (one decimal of GiB or MiB, "
+                "format.HumanBytes2): up to 0.05 GiB off each")
+# Ollama's GPU libraries (gpu.Library) -> the prefix of llama.cpp's device names
+_OLLAMA_LIBRARY = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "metal": "Metal", "oneapi": "SYCL", "sycl": "SYCL"}
+
+# `ollama ps` (cmd/cmd.go ListRunningHandler): the PROCESSOR column, "%d%%/%d%% CPU/GPU" for a model
+# split between them, "100%% GPU" / "100%% CPU" otherwise (2024-2026)
+_RX_OLLAMA_PS_SPLIT = re.compile(r"(?<![\d.])(\d{1,3})%/(\d{1,3})%\s+CPU/GPU\b")
+_RX_OLLAMA_PS_ONE = re.compile(r"(?<![\d.])100%\s+(CPU|GPU)\b")
+
 # ---- allocation failures (oom) -----------------------------------------------------------------
 _OOM = re.compile("|".join([
     # "%s: allocating %.2f MiB on device %d: cudaMalloc failed: %s"  ggml-cuda (2024-2026; the ROCm
@@ -908,6 +967,9 @@ class _Parser(_LineReader):
         self.prompt_tps: float | None = None
         self.eval_tps: float | None = None
         self.build: str | None = None
+        self.processor_split: dict[str, int] = {}
+        self.ollama_gpus: dict[str, str] = {}   # Ollama GPU id -> the device name it is given here
+        self.ollama_sizes = False
 
     # -- pass bookkeeping --
     def _new_pass(self) -> None:
@@ -928,6 +990,8 @@ class _Parser(_LineReader):
             self._build(t)
         if "eval" in low or "per_second" in t:
             self._timings(t)
+        if t.startswith("time=") and ("size=" in t or "free=" in t):
+            self._ollama(t)
 
     def feed(self, t: str, shown: str, error_level: bool = False, truncated: bool = False) -> None:
         """One message: ``t`` with every prefix removed, ``shown`` as ``errors`` stores it.
@@ -951,6 +1015,55 @@ class _Parser(_LineReader):
             self._context(t)
         if "free" in t or "breakdown" in t:
             self._memory(t)
+        if "% " in t and ("CPU" in t or "GPU" in t):
+            self._ollama_ps(t)
+
+    def _ollama_ps(self, t: str) -> None:
+        m = _RX_OLLAMA_PS_SPLIT.search(t)
+        if m:
+            cpu, gpu = int(m.group(1)), int(m.group(2))
+            if cpu + gpu == 100:
+                self.processor_split = {"CPU": cpu, "GPU": gpu}
+            return
+        m = _RX_OLLAMA_PS_ONE.search(t)
+        if m:
+            self.processor_split = {"CPU": 100 if m.group(1) == "CPU" else 0, "GPU": 100 if m.group(1) == "GPU" else 0}
+
+    def _ollama(self, t: str) -> None:
+        """One of Ollama's memory lines (see _OLLAMA_MSG): weights, KV and compute per device, and
+        the scheduler's free memory per GPU. Each states a device's whole figure (set, not added)."""
+        m = _OLLAMA_MSG.search(t)
+        if not m:
+            return
+        kind = m.group(1)
+        attrs = {a.group(1): (a.group(2) if a.group(2) is not None else a.group(3)) for a in _SLOG_ATTR.finditer(t)}
+        if kind == "gpu memory":
+            free = _ollama_bytes(attrs.get("free"))
+            gpu_id = (attrs.get("id") or "")[:128]
+            if free is None or not gpu_id:
+                return
+            prefix = _OLLAMA_LIBRARY.get((attrs.get("library") or "").lower(), "GPU")
+            name = self.ollama_gpus.get(gpu_id)
+            if name is None:
+                if len(self.ollama_gpus) >= 1024:
+                    return
+                index = sum(1 for n in self.ollama_gpus.values() if n.rstrip("0123456789") == prefix)
+                name = self.ollama_gpus[gpu_id] = f"{prefix}{index}"
+            self.devices[name] = free
+            return
+        size = _ollama_bytes(attrs.get("size"))
+        device = attrs.get("device") or (attrs.get("backend") if kind == "compute graph" else attrs.get("buffer"))
+        if size is None or not device:
+            return
+        device = device[:128]
+        self.ollama_sizes = True
+        if kind == "model weights":
+            if self.c.has_data():
+                self._new_pass()
+            if len(self.p.model_buffers) < 1024 or device in self.p.model_buffers:
+                self.p.model_buffers[device] = size
+        elif len(self.c.kv_buffers) < 1024 and len(self.c.compute_buffers) < 1024:
+            (self.c.kv_buffers if kind == "kv cache" else self.c.compute_buffers)[device] = size
 
     def _failures(self, t: str, low: str, shown: str, error_level: bool) -> None:
         if _METADATA.match(t):
@@ -1219,6 +1332,8 @@ class _Parser(_LineReader):
             build=self.build,
             errors=tuple(errors),
             loads=tuple(p.to_load() for p in loads),
+            processor_split=dict(self.processor_split),
+            notes=(_OLLAMA_NOTE,) if self.ollama_sizes else (),
         )
 
 
@@ -1314,6 +1429,9 @@ def format_report(report: LoadReport) -> str:
     pp = f"{r.prompt_tps:.2f}" if r.prompt_tps is not None else "-"
     tg = f"{r.eval_tps:.2f}" if r.eval_tps is not None else "-"
     lines.append(f"speed: prompt {pp} t/s, eval {tg} t/s")
+    if r.processor_split:
+        lines.append(f"ollama ps: {r.processor_split.get('CPU', 0)}% CPU / {r.processor_split.get('GPU', 0)}% GPU"
+                     + (" (partial offload!)" if r.partial_offload else ""))
     if r.oom:
         lines.append("OUT OF MEMORY")
     if r.errors:
@@ -1321,6 +1439,7 @@ def format_report(report: LoadReport) -> str:
         lines.extend(f"  {e}" for e in r.errors[:10])
         if len(r.errors) > 10:
             lines.append(f"  ... {len(r.errors) - 10} more")
+    lines.extend(f"note: {n}" for n in r.notes)
     return "\n".join(lines)
 
 

@@ -7,8 +7,13 @@ the other's load, and each would plan with memory the other holds.
 
 The lock is an OS file lock (``flock``; ``msvcrt.locking`` on Windows) on a file in
 ``tuner.paths.locks_dir()``: the kernel drops it when its holder exits, however it exits (SIGKILL
-included), so a dead tuner never blocks the next one. The file says who holds it (pid, user,
-what it runs, since when) for the message the next one prints.
+included), so a dead tuner never blocks the next one. The file says who holds it (pid, what it
+runs, since when) for the message the next one prints.
+
+The folder is shared by every user of the machine (sticky, like /tmp), so the file is hostile
+text: it is created 0644 (only its creator writes the record; the others lock it through a read
+handle), the user named is the file's owner as the OS says, never what the record claims, and
+every field of the record is printed escaped (a control character never reaches the terminal).
 
 Per machine, not per device: tuners on two GPUs of one machine still share its CPU threads, RAM
 and PCIe bus, so their measurements would disturb each other. A machine injected by a test or an
@@ -53,12 +58,22 @@ class MachineLock:
         return self._handle is not None
 
     def holder(self) -> dict[str, Any]:
-        """Who holds it, as they wrote it ({} when unknown)."""
+        """Who holds it, as they wrote it ({} when unknown), with ``owner``: the user the OS says owns
+        the file (the only one who could write the record)."""
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8") or "{}")
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
+            with open(self.path, "rb") as handle:
+                owner = _owner(os.fstat(handle.fileno()))
+                text = handle.read(_MAX_RECORD + 1)
+            if len(text) > _MAX_RECORD:
+                return {"owner": owner} if owner else {}
+            data = json.loads(text.decode("utf-8", errors="replace") or "{}")
+            data = data if isinstance(data, dict) else {}
+        except (OSError, ValueError, RecursionError):
             return {}
+        data.pop("owner", None)
+        if owner:
+            data["owner"] = owner
+        return data
 
     def acquire(self, *, wait: bool = True, on_wait: Callable[[str], None] | None = None, poll: float = 0.25) -> None:
         """Take the lock; if another tuner holds it, wait (telling ``on_wait`` once, in words) or,
@@ -95,13 +110,14 @@ class MachineLock:
         h = self.holder()
         if not h:
             return "another tuner is measuring on this machine"
-        parts = [f"pid {h.get('pid', '?')}"]
-        if h.get("user"):
-            parts.append(f"user {h['user']}")
+        pid = h.get("pid")
+        parts = [f"pid {pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 32 else '?'}"]
+        if h.get("owner"):
+            parts.append(f"user {_escaped(h['owner'], 64)}")
         if h.get("what"):
-            parts.append(str(h["what"])[:200])
+            parts.append(_escaped(h["what"], 200))
         if h.get("since"):
-            parts.append(f"since {h['since']}")
+            parts.append(f"since {_escaped(h['since'], 40)}")
         return f"another tuner is measuring on this machine ({', '.join(parts)})"
 
     def release(self) -> None:
@@ -125,17 +141,49 @@ class MachineLock:
     def _open(self) -> Any:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(self.path, flags, 0o666)
+            fd = os.open(self.path, flags, 0o644)
         except PermissionError:
             # another user's lock file we may not write: locking needs only a read handle
             fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             return os.fdopen(fd, "r", encoding="utf-8")
         try:
-            if hasattr(os, "fchmod") and os.fstat(fd).st_uid == os.getuid():
-                os.fchmod(fd, 0o666)  # other users' tuners on this machine take it too
+            st = os.fstat(fd)
+            if hasattr(os, "fchmod") and st.st_uid == os.getuid() and st.st_mode & 0o022:
+                os.fchmod(fd, 0o644)  # (older versions made it 0666: anyone could write the record)
+            elif hasattr(os, "getuid") and st.st_uid != os.getuid():
+                # another user's file that this user may write (0666): lock it, never write into it
+                os.close(fd)
+                fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                return os.fdopen(fd, "r", encoding="utf-8")
         except OSError:
             pass
         return os.fdopen(fd, "r+", encoding="utf-8")
+
+
+# a record is one short JSON line; anything longer is not a tuner's
+_MAX_RECORD = 4096
+
+
+def _owner(st: os.stat_result) -> str:
+    """The name of the user owning a file (its uid when the name is unknown); "" on Windows."""
+    if not hasattr(os, "getuid"):
+        return ""
+    try:
+        import pwd
+
+        return pwd.getpwuid(st.st_uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {st.st_uid}"
+
+
+def _escaped(value: Any, width: int) -> str:
+    """A record field for the terminal: control characters (escapes, newlines) as Python writes them
+    in a string literal, cut to ``width``."""
+    from ..limits import _CONTROL
+
+    text = str(value)[: width * 4]
+    text = _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _user() -> str:

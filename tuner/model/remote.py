@@ -16,8 +16,12 @@ doubling) as the header parser asks for more, never the tensor data. A split mod
 (``NAME-00001-of-00003.gguf``) are read in turn. Redirects are followed (the Hub redirects to a
 CDN) with the Range header kept; an Authorization header goes only to the host it was meant for.
 A server that ignores Range (answers 200 with the whole file) is refused and the body is not
-read. Each request has a timeout (``OFFLOAD_TUNER_HTTP_TIMEOUT`` seconds, default 30) and is
-tried at most 3 times. ``HF_TOKEN`` is sent to the Hub's own host for private or gated
+read. Each request has one deadline (``OFFLOAD_TUNER_HTTP_TIMEOUT`` seconds, default 30) for all of
+it: connecting, the status line and headers, and the body, however slowly the server trickles them
+(every socket read waits only for what is left); a request that got no answer, or an overloaded
+server's (HTTP 429, 5xx), is tried at most 3 times, and the whole command has one deadline too (4
+timeouts and the pauses between tries). An answer that is not valid HTTP (a bad status line, more than 100 headers, a header
+line over 64 KiB, broken chunking) is refused in one line. ``HF_TOKEN`` is sent to the Hub's own host for private or gated
 repositories, over HTTPS (or to a loopback address); it is never printed or stored.
 
 Fetched headers are cached (``tuner.model.header_cache``), so a second question about the same
@@ -26,12 +30,17 @@ URL costs no request.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import http.client
+import io
 import os
 import re
 import socket
 import time
 import urllib.error
 import urllib.request
+from typing import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -195,13 +204,139 @@ def read_headers(url: str) -> RemoteHeaders:
     ``url``, from the cache where it can. Raises ``RemoteModelError`` or another ``ModelError``."""
     urls = part_urls(url)
     out = RemoteHeaders(url=url, urls=urls, headers=[])
-    for part in urls:
-        fetch = PartFetch(url=part, resolved=resolve(part))
-        header = _part_header(fetch)
-        fetch.header_bytes = header["header_len"]
-        out.headers.append(header)
-        out.parts.append(fetch)
+    with command_deadline():
+        for part in urls:
+            fetch = PartFetch(url=part, resolved=resolve(part))
+            header = _part_header(fetch)
+            fetch.header_bytes = header["header_len"]
+            out.headers.append(header)
+            out.parts.append(fetch)
     return out
+
+
+# -- deadlines ---------------------------------------------------------------------------------------
+
+# The command's deadline (time.monotonic()), set by ``command_deadline``; None outside one.
+_COMMAND_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("command_deadline", default=None)
+
+
+@contextlib.contextmanager
+def command_deadline(seconds: float | None = None) -> Iterator[float]:
+    """Every request made inside ends by one deadline: ``seconds`` from now (default: a timeout per
+    try and one more, and the pauses between tries). Nested, the earlier deadline holds."""
+    limit = time.monotonic() + ((ATTEMPTS + 1) * _timeout() + 2.0 if seconds is None else seconds)
+    outer = _COMMAND_DEADLINE.get()
+    token = _COMMAND_DEADLINE.set(limit if outer is None else min(outer, limit))
+    try:
+        yield _COMMAND_DEADLINE.get()  # type: ignore[misc]
+    finally:
+        _COMMAND_DEADLINE.reset(token)
+
+
+class _DeadlinePassed(TimeoutError):
+    """The request's (or the command's) deadline passed while the server was still answering."""
+
+
+class _DeadlineSocket:
+    """A connected socket whose every send and receive waits only for what is left of one deadline:
+    a server trickling a byte a second cannot stretch a request past it."""
+
+    def __init__(self, sock: Any, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+        self._readers = 0          # open makefile() readers: as a socket's, they keep it open
+        self._close_pending = False
+        self._received = 0         # bytes the server sent: none yet is "no answer" (worth a retry)
+
+    def _arm(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            if not self._received:
+                raise socket.timeout("no answer")
+            raise _DeadlinePassed
+        self._sock.settimeout(left)
+
+    def sendall(self, data: bytes, *args: Any) -> None:
+        self._arm()
+        self._sock.sendall(data, *args)
+
+    def recv_into(self, buffer: Any, n: int = 0) -> int:
+        self._arm()
+        try:
+            got = self._sock.recv_into(buffer, n)
+        except (socket.timeout, TimeoutError):
+            if not self._received:
+                raise  # no answer at all: a timeout like any other (tried again)
+            raise _DeadlinePassed from None
+        self._received += got
+        return got
+
+    def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        # urllib closes the connection once it has the response, whose reader still reads from the
+        # socket: as socket.makefile does, the socket really closes when its last reader does
+        if self._readers:
+            self._close_pending = True
+        else:
+            self._sock.close()
+
+    def _reader_closed(self) -> None:
+        self._readers -= 1
+        if not self._readers and self._close_pending:
+            self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:  # close, settimeout, setsockopt, ... as the socket does
+        return getattr(self._sock, name)
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: _DeadlineSocket) -> None:
+        self._dsock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._dsock.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._dsock._reader_closed()
+        super().close()
+
+
+def _deadline_connection(base: type, deadline: float) -> type:
+    class Connection(base):  # type: ignore[misc, valid-type]
+        def connect(self) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _DeadlinePassed
+            self.timeout = min(self.timeout, left) if isinstance(self.timeout, (int, float)) else left
+            super().connect()
+            self.sock = _DeadlineSocket(self.sock, deadline)
+
+    return Connection
+
+
+class _DeadlineHTTP(urllib.request.HTTPHandler):
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def http_open(self, req: Any) -> Any:
+        return self.do_open(_deadline_connection(http.client.HTTPConnection, self.deadline), req)
+
+
+class _DeadlineHTTPS(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: float) -> None:
+        super().__init__()
+        self.deadline = deadline
+
+    def https_open(self, req: Any) -> Any:
+        return self.do_open(_deadline_connection(http.client.HTTPSConnection, self.deadline), req,
+                            context=self._context)
 
 
 def _part_header(fetch: PartFetch) -> dict:
@@ -346,15 +481,62 @@ def _get(fetch: PartFetch, headers: dict[str, str], want: int, not_modified_ok: 
     bytes of a 206, and retries timeouts, refused connections, 429 and 5xx (``ATTEMPTS`` tries)."""
     timeout = _timeout()
     last_problem = ""
-    for attempt in range(ATTEMPTS):
-        if attempt:
-            time.sleep(0.5 * 2 ** (attempt - 1))
+    with command_deadline():  # (a request outside read_headers still gets a command's deadline)
+        command_end = _COMMAND_DEADLINE.get() or 0.0
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                pause = 0.5 * 2 ** (attempt - 1)
+                if time.monotonic() + pause >= command_end:
+                    break
+                time.sleep(pause)
+            deadline = min(time.monotonic() + timeout, command_end)
+            try:
+                outcome = _get_once(fetch, headers, want, not_modified_ok, timeout, deadline)
+            except _DeadlinePassed:
+                raise RemoteModelError(fetch.url, f"the server did not finish answering within {timeout:g} s "
+                                       f"(it sends too slowly, or stalled); {ENV_TIMEOUT} sets the limit per request") from None
+            except http.client.HTTPException as exc:
+                raise RemoteModelError(fetch.url, f"the server's answer is not valid HTTP ({_http_exception(exc)})") from None
+            if isinstance(outcome, str):
+                last_problem = outcome
+                continue
+            return outcome
+    raise RemoteModelError(fetch.url, f"{last_problem or 'no answer'} ({attempt + 1} tries); the server is slow or unreachable "
+                           f"({ENV_TIMEOUT} sets the limit per request)")
+
+
+def _http_exception(exc: http.client.HTTPException) -> str:
+    """What http.client says was wrong with an answer, in one short line."""
+    if isinstance(exc, http.client.LineTooLong):
+        return "a header line longer than 64 KiB"
+    if isinstance(exc, http.client.BadStatusLine):
+        return f"a bad status line: {_one_line(str(exc), 60)}"
+    if isinstance(exc, http.client.IncompleteRead):
+        return "the body ended early or its chunked encoding is broken"
+    text = str(exc)
+    if "more than" in text and "headers" in text:
+        return "more than 100 header lines"
+    return f"{type(exc).__name__}: {_one_line(text, 80)}" if text else type(exc).__name__
+
+
+def _one_line(text: str, width: int) -> str:
+    """``text`` with its whitespace runs (newlines included) made one space, cut to ``width``, as
+    ``repr`` shows what is left of control characters."""
+    flat = " ".join(str(text).split())
+    flat = repr(flat)[1:-1] if not flat.isprintable() else flat
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
+def _get_once(fetch: PartFetch, headers: dict[str, str], want: int, not_modified_ok: bool, timeout: float,
+              deadline: float) -> tuple[int, Any, bytes] | str:
+    """One try: the answer, or (a str) why it is worth trying again."""
+    if True:  # (one indent level kept from the loop this came from)
         request = urllib.request.Request(fetch.resolved, headers={**headers, "Accept-Encoding": "identity",
                                                                    "User-Agent": "offload-tuner"})
         token = _token_for(fetch.resolved)
         if token:
             request.add_unredirected_header("Authorization", f"Bearer {token}")
-        opener = urllib.request.build_opener(_Redirects(fetch))
+        opener = urllib.request.build_opener(_Redirects(fetch), _DeadlineHTTP(deadline), _DeadlineHTTPS(deadline))
         fetch.requests += 1
         try:
             response = opener.open(request, timeout=timeout)
@@ -363,24 +545,25 @@ def _get(fetch: PartFetch, headers: dict[str, str], want: int, not_modified_ok: 
             if exc.code == 304 and not_modified_ok:
                 return 304, exc.headers, b""
             if exc.code == 429 or exc.code >= 500:
-                last_problem = f"HTTP {exc.code} {exc.reason}"
-                continue
+                return f"HTTP {exc.code} {_one_line(str(exc.reason), 80)}"
             raise RemoteModelError(fetch.url, _http_problem(fetch, exc.code, str(exc.reason), bool(token))) from None
+        except _DeadlinePassed:
+            raise
         except (socket.timeout, TimeoutError):
-            last_problem = f"no answer within {timeout:g} s"
-            continue
+            return f"no answer within {timeout:g} s"
         except urllib.error.URLError as exc:
             reason = exc.reason
+            if isinstance(reason, _DeadlinePassed):
+                raise reason from None
             if isinstance(reason, (socket.timeout, TimeoutError)):
-                last_problem = f"no answer within {timeout:g} s"
-                continue
+                return f"no answer within {timeout:g} s"
             if isinstance(reason, ConnectionError):
-                last_problem = f"cannot connect to {urlsplit(fetch.resolved).netloc} ({reason.strerror or reason})"
-                continue
-            raise RemoteModelError(fetch.url, f"cannot reach {urlsplit(fetch.resolved).netloc}: {reason}") from None
+                return f"cannot connect to {urlsplit(fetch.resolved).netloc} ({_one_line(reason.strerror or str(reason), 80)})"
+            raise RemoteModelError(fetch.url, f"cannot reach {urlsplit(fetch.resolved).netloc}: {_one_line(str(reason), 120)}") from None
+        except http.client.HTTPException:
+            raise
         except (ConnectionError, OSError) as exc:  # e.g. a connection reset mid-answer
-            last_problem = f"the connection failed ({exc})"
-            continue
+            return f"the connection failed ({_one_line(str(exc), 80)})"
         with response:
             status = response.status
             if status == 200:
@@ -392,30 +575,27 @@ def _get(fetch: PartFetch, headers: dict[str, str], want: int, not_modified_ok: 
             if status != 206:
                 raise RemoteModelError(fetch.url, f"unexpected answer to a range request: HTTP {status} {response.reason}")
             try:
-                body = _read_body(response, want, timeout)
+                body = _read_body(response, want)
+            except _DeadlinePassed:
+                raise
+            except http.client.HTTPException:
+                raise
             except (socket.timeout, TimeoutError):
-                last_problem = f"the answer stalled for more than {timeout:g} s"
-                continue
+                return f"the answer stalled for more than {timeout:g} s"
             except (ConnectionError, OSError) as exc:
-                last_problem = f"the connection failed mid-answer ({exc})"
-                continue
+                return f"the connection failed mid-answer ({_one_line(str(exc), 80)})"
             fetch.bytes_read += len(body)
             return status, response.headers, body
-    raise RemoteModelError(fetch.url, f"{last_problem} ({ATTEMPTS} tries); the server is slow or unreachable "
-                           f"({ENV_TIMEOUT} sets the limit per request)")
 
 
-def _read_body(response: Any, want: int, timeout: float) -> bytes:
-    """At most ``want`` bytes, within 4 timeouts in all (a server trickling bytes is a timeout)."""
-    deadline = time.monotonic() + 4 * timeout
+def _read_body(response: Any, want: int) -> bytes:
+    """At most ``want`` bytes (the socket's reads end at the request's deadline: _DeadlineSocket)."""
     body = bytearray()
     while len(body) < want:
         piece = response.read(min(1 << 16, want - len(body)))
         if not piece:
             break
         body += piece
-        if time.monotonic() > deadline:
-            raise TimeoutError
     return bytes(body)
 
 
@@ -434,4 +614,6 @@ def _http_problem(fetch: PartFetch, code: int, reason: str, sent_token: bool) ->
         return f"HTTP {code} {reason}: a private or gated repository? set {ENV_TOKEN} to a token that can read it"
     if code == 416:
         return "HTTP 416: the file is empty"
-    return f"HTTP {code} {reason}"
+    if 300 <= code < 400:  # urllib raises a redirect it will not follow: a loop, or too many (its reason is 3 lines)
+        return f"too many redirects (a redirect loop, or more than {_Redirects.max_redirections} in a row)"
+    return f"HTTP {code} {_one_line(reason, 120)}"

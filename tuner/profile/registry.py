@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
-import json
 import os
 import socket
 import warnings
@@ -35,7 +34,7 @@ from ..errors import ProfileError, StorageError
 from ..paths import atomic_write_text, data_dir
 from .dburl import advisory_lock, engine_kwargs, explain, normalize_url, redact_url, remember
 from .document import MAX_PROFILE_BYTES, Profile, ProfileWarning
-from .store import BundleItem, ImportResult, SearchPath, import_items
+from .store import BundleItem, ImportResult, SearchPath, import_items, parse_json
 
 TABLE = "offload_tuner_profiles"
 APP_CONNECT_TIMEOUT = 5  # seconds an app waits for the registry before using its cached copy
@@ -218,10 +217,14 @@ def _items(rows: Sequence[Any]) -> list[BundleItem]:
         try:
             if len(row.document.encode()) > MAX_PROFILE_BYTES:
                 raise ProfileError(f"{where}: larger than {MAX_PROFILE_BYTES} bytes")
-            document = json.loads(row.document)
+            document = parse_json(row.document, where)
             profile: Profile | ProfileError = Profile.from_dict(document)
-        except (ValueError, ProfileError) as exc:
-            profile = ProfileError(f"{where}: {exc}")
+        except ProfileError as exc:
+            profile = exc if str(exc).startswith(where) else ProfileError(f"{where}: {exc}")
+            document = None
+        except (ValueError, RecursionError) as exc:
+            profile = ProfileError(f"{where}: {exc}" if isinstance(exc, ValueError) else
+                                   f"{where}: not a profile: it is nested too deeply")
             document = None
         items.append(BundleItem(int(row.id), profile, document))
     return items

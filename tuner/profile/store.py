@@ -295,6 +295,13 @@ def _read_json(path: str | os.PathLike[str], limit: int, what: str) -> Any:
         raise ProfileError(f"{where}: not a {what} (not UTF-8 text)") from None
     except OSError as exc:
         raise ProfileError(f"{where}: cannot read it: {exc.strerror}") from None
+    return parse_json(text, where, what)
+
+
+def parse_json(text: str, where: str, what: str = "profile") -> Any:
+    """``text`` parsed as the JSON of a ``what`` that came from ``where`` (a file, a registry row, a
+    bundle member), or one ``ProfileError`` naming ``where`` once: every document someone else
+    wrote goes through here, so each source has the same bounds."""
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:

@@ -36,13 +36,14 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..engine.logfacts import LogFacts, log_facts
 from ..engine.logparse import LoadReport, _is_host_label, _normalise_device, parse_log
 from ..engine.dimensions import UNQUANTIZED_KV
 from ..engine.settings import Settings
 from ..errors import LogUnreadableError, SettingsError, TunerError
+from ..limits import MAX_DEVICES
 from ..machine.whatif import MachineSpec, device_matches
 from ..model.estimate import CPU, estimate, pad
 from ..model.inspect import KV_TYPE_BLOCKS, ModelInfo
@@ -178,14 +179,33 @@ def _memory(report: LoadReport, spec_names: Sequence[str] = ()) -> dict[str, Dev
             device = _device_of(label)
         compute[device] = compute.get(device, 0) + size
     names = list(dict.fromkeys([CPU] + [n for n in (*weights, *kv, *compute) if n != CPU]))
+    # device_matches through two indexes (the name without case, and without its "[host:port]"), so
+    # this is linear in the devices a log names: 10^5 "using device" lines once took minutes
+    exact: dict[str, int] = {}
+    by_base: dict[str, int] = {}
+    for k, v in report.devices.items():
+        exact.setdefault(k.lower(), v)
+        by_base.setdefault(k.lower().split("[", 1)[0], v)
+
+    def free_of(name: str) -> int | None:
+        low = name.lower()
+        for value in (exact.get(low), by_base.get(low), exact.get(low.split("[", 1)[0])):
+            if value is not None:
+                return value
+        return None
+
     out: dict[str, DeviceUse] = {}
     for name in names:
-        free = next((v for k, v in report.devices.items() if device_matches(k, name)), None)
-        out[name] = DeviceUse(weights.get(name), kv.get(name), compute.get(name), free)
+        out[name] = DeviceUse(weights.get(name), kv.get(name), compute.get(name), free_of(name))
     # devices the log says were there (free memory printed) but got nothing
+    named = {n.lower() for n in out}
+    named_base = {n.lower().split("[", 1)[0] for n in out}
     for k, v in report.devices.items():
-        if not any(device_matches(k, n) for n in out):
+        low = k.lower()
+        if low not in named and low.split("[", 1)[0] not in named and low not in named_base:
             out[k] = DeviceUse(None, None, None, v)
+            named.add(low)
+            named_base.add(low.split("[", 1)[0])
     if out.get(CPU) == DeviceUse():
         del out[CPU]
     return out
@@ -194,7 +214,8 @@ def _memory(report: LoadReport, spec_names: Sequence[str] = ()) -> dict[str, Dev
 def _unreadable(report: LoadReport, facts: LogFacts) -> str | None:
     """Why this text cannot be diagnosed, or None when it can."""
     if (report.layers_offloaded is not None or report.model_buffers or report.kv_buffers or report.compute_buffers
-            or report.oom or facts.oom_device):
+            or report.oom or facts.oom_device or report.processor_split
+            or report.prompt_tps is not None or report.eval_tps is not None):
         return None
     found = []
     if facts.meta:
@@ -361,6 +382,9 @@ def diagnose(
     notes: list[str] = []
 
     accelerators = [d for d in memory if d != CPU]
+    if len(accelerators) > MAX_DEVICES:
+        raise LogUnreadableError(f"this log names {len(accelerators)} devices, and llama.cpp uses at most {MAX_DEVICES}: "
+                                 "it is not the log of one llama.cpp run; paste the log of the run to diagnose")
     oom_device = None
     if facts.oom_device:
         oom_device = next((d for d in accelerators if device_matches(d, facts.oom_device)), None)
@@ -384,6 +408,27 @@ def diagnose(
                   if d != CPU and use.free is not None and not report.oom}
     summary = offload_summary(report.layers_offloaded, report.layers_total, free_after, oom=bool(report.oom),
                               oom_device=oom_device, oom_what=facts.oom_what, cpu_fallback=bool(cpu_fallback))
+    notes.extend(report.notes)
+    if report.processor_split and report.layers_offloaded is None:
+        # `ollama ps` pasted: its PROCESSOR column is the only placement fact
+        cpu, gpu = report.processor_split.get("CPU", 0), report.processor_split.get("GPU", 0)
+        what = dataclasses.replace(what, partial_offload=report.partial_offload)
+        summary = (f"partial offload: Ollama runs {gpu}% of the model on the GPU and {cpu}% on the CPU (ollama ps)"
+                   if report.partial_offload else f"{'full offload' if gpu == 100 else 'no offload (CPU only)'}: "
+                   f"Ollama runs {max(cpu, gpu)}% of the model on the {'GPU' if gpu == 100 else 'CPU'} (ollama ps)")
+        if report.partial_offload:
+            notes.append("ollama ps shows the split only; for the levers, paste Ollama's server log of this load "
+                         "(journalctl -u ollama, or the container's log) or give --model MODEL --device NAME=SIZE")
+        return Diagnosis(what, memory, (), summary, None, tuple(notes), {})
+    if report.layers_offloaded is None and not (report.model_buffers or report.kv_buffers or report.compute_buffers
+                                                or report.oom or facts.oom_device):
+        # a log of timings only (llama-server's JSON log of requests): its speeds are what it says
+        speeds = ", ".join(f"{name} {value:.2f} tokens/s" for name, value in
+                           (("prompt", report.prompt_tps), ("generation", report.eval_tps)) if value is not None)
+        summary = f"speed: {speeds}; where the layers went is not in this log (it has no load lines)"
+        notes.append("for a diagnosis of the load, paste the log from the server's start (llama.cpp prints the "
+                     "load lines then), with its full output (2>&1)")
+        return Diagnosis(what, memory, (), summary, None, tuple(notes), {})
 
     if model is not None:
         n_log = (report.layers_total - 1) if report.layers_total else facts.meta.get("n_layer")
@@ -430,14 +475,20 @@ def diagnose(
             "buffer on the CPU: the build has no usable GPU backend (a CPU-only build, a driver it could not use, "
             "or a backend that failed to start). Memory is not the problem; no memory lever applies.")]
         return Diagnosis(what, memory, tuple(levers), summary, None, tuple(notes), capacity)
-    if not accelerators:
-        notes.append("no accelerator appears in this log (a CPU-only run); give --device NAME=SIZE to ask "
-                     "what would fit on a GPU")
-        return Diagnosis(what, memory, (), summary, None, tuple(notes), capacity)
     full = report.layers_total is not None and report.layers_offloaded is not None and \
         report.layers_offloaded >= report.layers_total and not report.oom
     if full:
         notes.append("every layer is on the GPU: there is nothing to fix in this load")
+        return Diagnosis(what, memory, (), summary, None, tuple(notes), capacity)
+    if not accelerators:
+        # (one fact, LoadReport.cpu_only, says whether the run used an accelerator: a log that
+        # offloaded layers is never called CPU-only because its accelerators' memory lines are missing)
+        if report.cpu_only:
+            notes.append("no accelerator appears in this log (a CPU-only run); give --device NAME=SIZE to ask "
+                         "what would fit on a GPU")
+        else:
+            notes.append("the log does not say how much memory each accelerator used, so no lever can be sized; "
+                         "paste the whole log, or give --model MODEL --device NAME=SIZE")
         return Diagnosis(what, memory, (), summary, None, tuple(notes), capacity)
 
     sizer = _sizer(report, facts, memory, accelerators, capacity, model, notes)
