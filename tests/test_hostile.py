@@ -366,7 +366,8 @@ def test_a_profile_nested_100000_levels_deep(models, tmp_path):
     assert str(info.value) == f"{deep}: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
     with pytest.raises(NoMatchingProfileError) as info:
         load_profile(models["q8_0"], search_path=[deep.parent], machine=machine())
-    assert f"{deep}: unreadable: {deep}: not a profile: its JSON is nested too deeply" in str(info.value)
+    assert f"{deep}: unreadable: not a profile: its JSON is nested too deeply" in str(info.value)
+    assert str(info.value).count(str(deep)) == 1  # the path once, not "X: unreadable: X: ..."
     proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "show", str(deep)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and one_error_line(proc) == f"Error: {deep}: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
 
@@ -661,3 +662,62 @@ def test_a_redirect_loop_is_one_line(served_models):
     served_models.raw = loop.format(url=served_models.url("any.gguf")).encode()
     line = _one_line_error(run("inspect", served_models.url("any.gguf"), env={"OFFLOAD_TUNER_HTTP_TIMEOUT": "5"}))
     assert "too many redirects (a redirect loop, or more than 10 in a row)" in line, line
+
+
+# -- messages: one line, the path once (second sweep) --------------------------------------------------
+
+
+def test_profile_export_and_import_of_a_folder_or_bad_json_is_one_line_with_the_path_once(tmp_path):
+    folder = tmp_path / "existing"
+    folder.mkdir()
+    env = {**os.environ, "OFFLOAD_TUNER_HOME": str(tmp_path / "home")}
+    proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "export", "-o", str(folder)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=env)
+    assert proc.returncode == 2 and one_error_line(proc) == (
+        f"Error: -o {folder}: is a folder; give the bundle's file name, e.g. {folder / 'profiles.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for target in (bad, folder):
+        proc = subprocess.run([sys.executable, "-m", "tuner", "profile", "import", str(target)], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120, env=env)
+        line = one_error_line(proc)
+        assert proc.returncode == 2 and line.count(str(target)) == 1, line
+    assert "not valid JSON (line 1, column 2" in one_error_line(
+        subprocess.run([sys.executable, "-m", "tuner", "profile", "import", str(bad)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env=env))
+
+
+# -- quality reads the corpus bounded, and only text (second sweep) ------------------------------------
+
+
+def test_quality_reads_only_what_the_chunks_need_and_refuses_nul_bytes(models, tmp_path):
+    import resource
+
+    from tuner.engine.scoring import MAX_BYTES_PER_TOKEN
+    from tuner.errors import QualityError
+    from tuner.model.inspect import inspect
+    from tuner.search.quality import QualityMeter
+
+    info = inspect(models["q8_0"])
+    # 1 GB of NUL bytes (valid UTF-8): a sparse file, so the test writes nothing to disk
+    nul = tmp_path / "nul.txt"
+    with open(nul, "wb") as handle:
+        handle.truncate(1 << 30)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    with pytest.raises(QualityError) as caught:
+        QualityMeter(info, corpus=nul, n_ctx=64, chunks=4)
+    assert str(caught.value) == f"{nul}: the corpus is not text (byte 0 is a NUL byte); give a plain text file"
+    # text first, then a 1 GB tail: only the chunks' share is read (and hashed)
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as handle:
+        handle.write(("In the beginning was the word. " * 2000).encode())
+        handle.truncate(1 << 30)
+    meter = QualityMeter(info, corpus=big, n_ctx=64, chunks=4)
+    assert meter.corpus_bytes == 64 * 4 * MAX_BYTES_PER_TOKEN
+    assert time.monotonic() - started < 5
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: far below the 1 GB file
+    # a cut in the middle of a character is not a decoding error
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(b"a" * (64 * 4 * MAX_BYTES_PER_TOKEN - 1) + "é".encode() + b"more text")
+    assert QualityMeter(info, corpus=cut, n_ctx=64, chunks=4).corpus_bytes == 64 * 4 * MAX_BYTES_PER_TOKEN - 1

@@ -7,6 +7,8 @@ to inject the machine; without it, commands that need one probe this machine.
 
 from __future__ import annotations
 
+import os
+
 import json
 import warnings
 from pathlib import Path
@@ -18,7 +20,7 @@ from ..errors import TunerError
 from ..profile.exports import FORMATS, export_args
 from ..paths import ENV_PROFILE_PATH, ENV_REGISTRY, profiles_dir
 from ..profile.document import Profile, ProfileWarning, format_bytes
-from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, write_bundle
+from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, without_path, write_bundle
 from ..report.summary import profile_summary
 
 class ProfileCommandError(click.ClickException):
@@ -100,7 +102,7 @@ def _chosen_or_all(profiles: tuple[str, ...], hint: str, verb: str = "export") -
     chosen = [e.profile for e in entries if e.profile is not None]
     for entry in entries:
         if entry.error is not None:
-            click.echo(f"skipped {entry.path}: {entry.error}", err=True)
+            click.echo(f"skipped {entry.path}: {entry.problem}", err=True)
     if not chosen:
         raise ProfileCommandError(f"no profiles in {profiles_dir()} to {verb}; {hint}")
     return chosen
@@ -162,7 +164,7 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         click.echo(entry.path.stem)
         click.echo(f"    from  {entry.path}  ({_origin_label(entry.origin)}: {entry.origin})")
         if profile is None:
-            click.echo(f"    cannot be used: {entry.error}")
+            click.echo(f"    cannot be used: {entry.problem}")
             continue
         s = profile.settings
         click.echo(
@@ -328,7 +330,7 @@ def check_command(ctx: click.Context, model_path: str, strict: bool) -> None:
 
 @profile_group.command("export")
 @click.argument("profiles", nargs=-1)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The bundle file to write.")
+@click.option("-o", "--output", required=True, type=click.Path(), help="The bundle file to write.")
 def export_command(profiles: tuple[str, ...], output: str) -> None:
     """Write profiles to one bundle file for a teammate (`profile import`). No PROFILES: all of yours.
 
@@ -336,6 +338,9 @@ def export_command(profiles: tuple[str, ...], output: str) -> None:
 
         offload-tuner profile export -o team-profiles.json
     """
+    if os.path.isdir(output):  # (one line, as every bad input: click's own check printed its usage)
+        raise ProfileCommandError(f"-o {output}: is a folder; give the bundle's file name, e.g. "
+                                  f"{os.path.join(output, 'profiles.json')}")
     chosen = _chosen_or_all(profiles, "name the ones to export")
     try:
         path = write_bundle(chosen, output)
@@ -345,7 +350,7 @@ def export_command(profiles: tuple[str, ...], output: str) -> None:
 
 
 @profile_group.command("import")
-@click.argument("bundle", type=click.Path(dir_okay=False))
+@click.argument("bundle", type=click.Path())
 @click.option("--force", is_flag=True, help="Replace profiles that are already there.")
 @click.option("--to", "dest", type=click.Path(file_okay=False), help="The folder to import into (default: your profiles).")
 def import_command(bundle: str, force: bool, dest: str | None) -> None:
@@ -360,7 +365,7 @@ def import_command(bundle: str, force: bool, dest: str | None) -> None:
         try:
             results = import_bundle(bundle, dest=dest, force=force)
         except TunerError as exc:
-            raise ProfileCommandError(f"{bundle}: {exc}") from None
+            raise ProfileCommandError(f"{bundle}: {without_path(str(exc), bundle)}") from None
     _show_warnings(caught)
     _report_copied(results, force, label=lambda i: f"profiles[{i}]", empty="the bundle is empty",
                    invalid=f"in {bundle} are invalid and were not imported")

@@ -55,6 +55,8 @@ class ScoringJob:
     tail_mass: float = TAIL_MASS
     max_top: int = MAX_TOP
     meta: dict[str, Any] | None = None  # written into the file as is (the caller's cache key)
+    # the corpus's bytes this pass reads, from its start (corpus_bytes_needed: what the chunks need)
+    corpus_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +72,19 @@ class ScoringJob:
     @property
     def tokens_needed(self) -> int:
         return self.n_ctx * self.chunks
+
+
+# A token of a llama.cpp vocabulary is a few bytes of text; the longest (runs of spaces, code
+# indentation) are a few dozen. So the chunks' tokens lie in the first 64 bytes per token of the
+# corpus, and no more is read: a 1 GB corpus took 13 GB of memory to tokenize whole.
+MAX_BYTES_PER_TOKEN = 64
+# ... and never more than this, whatever n_ctx x chunks asks (a tokenized GiB is ~2 GiB of ints)
+MAX_CORPUS_BYTES = 1 << 30
+
+
+def corpus_bytes_needed(n_ctx: int, chunks: int) -> int:
+    """How much of a corpus a pass of ``chunks`` chunks of ``n_ctx`` tokens reads, from its start."""
+    return min(MAX_CORPUS_BYTES, n_ctx * chunks * MAX_BYTES_PER_TOKEN)
 
 
 @dataclass
@@ -312,7 +327,7 @@ def score_corpus(worker: Any, request: dict[str, Any]) -> dict[str, Any]:
         n_corpus = int(ref_meta["corpus_tokens"])
     else:
         with open(job.corpus, "rb") as handle:
-            text = handle.read()
+            text = handle.read(job.corpus_bytes if job.corpus_bytes is not None else -1)
         if text.endswith(b"\n"):  # common/arg.cpp -f: "if (params.prompt.back() == '\n') pop_back()"
             text = text[:-1]
         tokens = tokenize(lc, vocab, text)
@@ -377,4 +392,4 @@ def score_corpus(worker: Any, request: dict[str, Any]) -> dict[str, Any]:
             "mean_entries": meta.get("mean_entries")}
 
 
-__all__ = ["FORMAT", "MAX_TOP", "TAIL_MASS", "ScoringJob", "ScoringResult", "check_reference", "load", "log_softmax", "save", "score_corpus"]
+__all__ = ["FORMAT", "MAX_TOP", "TAIL_MASS", "MAX_BYTES_PER_TOKEN", "MAX_CORPUS_BYTES", "corpus_bytes_needed", "ScoringJob", "ScoringResult", "check_reference", "load", "log_softmax", "save", "score_corpus"]

@@ -128,7 +128,7 @@ def _match(entries: list, folders: list, fingerprint: dict, machine: "Machine") 
     for order, entry in enumerate(entries):
         profile = entry.profile
         if profile is None:
-            rejected.append(f"  {entry.path}: unreadable: {entry.error}")
+            rejected.append(f"  {entry.path}: unreadable: {entry.problem}")
             continue
         reason = model_mismatch(profile, fingerprint)
         if reason is None and profile.machine.fingerprint != this_fp and profile.machine.hardware_class != this_class:

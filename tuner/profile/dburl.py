@@ -133,6 +133,12 @@ def dialect_of(url: str) -> str:
     return "postgresql" if name == "postgres" else name
 
 
+def driver_of(url: str) -> str:
+    """The driver a URL names after its kind (``psycopg`` of ``postgresql+psycopg://``), or ""."""
+    m = re.match(r"[\w.-]+\+([\w.-]+)://", str(url))
+    return m.group(1).lower() if m else ""
+
+
 def normalize_url(url: str) -> str:
     """``url`` with the PostgreSQL driver made explicit: ``postgresql://`` and ``postgres://`` become
     ``postgresql+psycopg://`` when psycopg (3) is installed (``offload-tuner[postgres]``).
@@ -185,6 +191,10 @@ def explain(exc: BaseException, url: str, *, what: str = "database") -> StorageE
             "postgresql://user@host/dbname (omit --storage for the default SQLite store)"
         )
     if name == "NoSuchModuleError":
+        driver = driver_of(url)
+        if driver:  # "postgresql+bogusdrv://": the kind is known, its driver is not
+            return StorageError(f"{shown}: unknown driver {driver!r} for {dialect} (SQLAlchemy has no {dialect}+{driver} "
+                                f"dialect); leave the driver out ({dialect}://) or name an installed one")
         return StorageError(f"{shown}: unknown database kind {dialect!r} (SQLAlchemy has no dialect for it); "
                                 "use sqlite:// or postgresql://")
     if isinstance(exc, ImportError) or isinstance(cause, ImportError):

@@ -24,7 +24,7 @@ import re
 import shlex
 
 from ..errors import ProfileError
-from ..limits import control_character
+from ..limits import shown
 
 WHERE = ("shell", "comment", "modelfile")
 
@@ -45,9 +45,10 @@ def safe(text: str, where: str) -> str:
     if where == "modelfile":
         plain = _MODELFILE_PLAIN.fullmatch(text)
         if plain is None or not text.strip():
-            bad = control_character(text) or next((c for c in text if not _MODELFILE_PLAIN.fullmatch(c)), "")
+            # (each shown once, by repr: escaping first and then repr printed a newline as '\\n')
+            bad = next((c for c in text if not _MODELFILE_PLAIN.fullmatch(c)), "")
             raise UnsafeValueError(
-                f"{safe(text, 'comment')!r} cannot be written in a Modelfile: ollama's Modelfile has no way to "
+                f"{shown(text, 120)} cannot be written in a Modelfile: ollama's Modelfile has no way to "
                 f"quote {bad!r}" + (" (a blank value)" if not text.strip() else "")
             )
         return text.strip()

@@ -59,6 +59,18 @@ class ProfileEntry(NamedTuple):
     def error(self) -> ProfileError | None:
         return self.result if isinstance(self.result, ProfileError) else None
 
+    @property
+    def problem(self) -> str | None:
+        """What is wrong with the file, without its path (for a line that names the path already)."""
+        return None if self.error is None else without_path(str(self.error), self.path)
+
+
+def without_path(message: str, path: str | os.PathLike[str]) -> str:
+    """``message`` without a leading ``"PATH: "``: errors about a file name it, and a line that names
+    the file itself must not say it twice (``X: X: not valid JSON``)."""
+    prefix = f"{os.fspath(path)}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
+
 
 SearchPath = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]], None]
 
@@ -118,7 +130,7 @@ def resolve_profile(ref: str | os.PathLike[str], search_path: SearchPath = None)
         for entry in list_profiles(search_path):
             if entry.path.stem == text:
                 if entry.error is not None:
-                    raise ProfileError(f"{entry.path}: {entry.error}")
+                    raise ProfileError(f"{entry.path}: {entry.problem}")
                 assert entry.profile is not None
                 return entry.profile
     folders = ", ".join(str(p) for p in profile_search_path(search_path)) or "(nothing)"
@@ -275,7 +287,7 @@ def _describe_existing(path: Path) -> str:
     try:
         profile = read_profile(path)
     except ProfileError as exc:
-        return f"unreadable: {exc}"
+        return f"unreadable: {without_path(str(exc), path)}"
     return f"tuned {profile.created_at}"
 
 

@@ -88,13 +88,15 @@ def redact(url: str) -> str:
 def _study_names(storage: str) -> list[str]:
     import optuna
 
-    sqlite = re.match(r"^sqlite:///(.+)$", storage)
-    if sqlite and sqlite[1] != ":memory:" and not Path(sqlite[1]).exists():
+    from ..profile.dburl import dialect_of, explain, sqlite_path
+
+    # (the file of a sqlite URL is sqlite_path's: a query such as "?password=x" is not part of it)
+    if dialect_of(storage) == "sqlite" and sqlite_path(storage) != ":memory:" and not Path(sqlite_path(storage)).exists():
         return []  # do not create an empty database just to look
     try:
         return optuna.study.get_all_study_names(storage=storage)
     except Exception as exc:  # noqa: BLE001 (any storage failure is one line for the user)
-        raise ReportError(f"cannot open the study storage {redact(storage)}: {str(exc).splitlines()[0][:200]}") from None
+        raise ReportError(str(explain(exc, storage, what="study storage"))) from None
 
 
 def _latest(storage: str, names: list[str]) -> str:
@@ -111,6 +113,16 @@ def _latest(storage: str, names: list[str]) -> str:
 
 def open_source(source: str | None, storage: str | None = None) -> tuple[Any, Any, str]:
     """The optuna Study that ``source`` names, the Profile when ``source`` is one, and the storage URL."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # SQLAlchemy warns on stderr about URL arguments its driver ignores (sqlite's "?password=x"):
+        # the study is read all the same, and the command's output stays its own
+        warnings.filterwarnings("ignore", message=r"Query string argument")
+        return _open_source(source, storage)
+
+
+def _open_source(source: str | None, storage: str | None = None) -> tuple[Any, Any, str]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ModelError, QualityError
 from ..model.inspect import ModelInfo, inspect
-from ..engine.scoring import MAX_TOP, TAIL_MASS, ScoringJob, ScoringResult, check_reference, load
+from ..engine.scoring import MAX_TOP, TAIL_MASS, ScoringJob, ScoringResult, check_reference, corpus_bytes_needed, load
 from ..engine.settings import Settings
 from ..paths import data_dir
 
@@ -274,7 +274,9 @@ class QualityMeter:
         self.emit = on_event or (lambda event: None)
         self.settings = dict(settings or {})
         self.timeout_s = timeout_s
-        self.corpus_path, self.corpus_sha256 = _read_corpus(Path(corpus) if corpus else default_corpus())
+        self.corpus_bytes = corpus_bytes_needed(n_ctx, chunks)
+        self.corpus_path, self.corpus_sha256, self.corpus_bytes = _read_corpus(Path(corpus) if corpus else default_corpus(),
+                                                                               self.corpus_bytes)
         self._engine = engine
         self._own_engine = None
         self.hashes: dict[str, str] = {}
@@ -361,7 +363,7 @@ class QualityMeter:
                     return path, meta, True
             except ValueError as exc:
                 self.emit({"kind": "quality_cache_bad", "cache": str(path), "reason": str(exc)})
-        job = ScoringJob(corpus=self.corpus_path, out=str(path), n_ctx=self.n_ctx, chunks=self.chunks, exact=self.exact,
+        job = ScoringJob(corpus=self.corpus_path, corpus_bytes=self.corpus_bytes, out=str(path), n_ctx=self.n_ctx, chunks=self.chunks, exact=self.exact,
                          tail_mass=self.tail_mass, max_top=self.max_top,
                          meta={"key": key, "model_sha256": self.sha256(self.reference), "corpus_sha256": self.corpus_sha256})
         self._run(self.reference, job, "reference")
@@ -408,7 +410,7 @@ class QualityMeter:
                     return summarize(info.path, sha, info, arrays, reused=True, seconds=float(meta.get("seconds", 0.0)))
             except ValueError as exc:
                 self.emit({"kind": "quality_cache_bad", "cache": str(path), "reason": str(exc)})
-        job = ScoringJob(corpus=self.corpus_path, out=str(path), n_ctx=self.n_ctx, chunks=self.chunks,
+        job = ScoringJob(corpus=self.corpus_path, corpus_bytes=self.corpus_bytes, out=str(path), n_ctx=self.n_ctx, chunks=self.chunks,
                          reference=str(ref_path), meta={"key": key, "model_sha256": sha, "reference_key": ref_key})
         result = self._run(info, job, "variant")
         arrays, _ = load(str(path))
@@ -428,20 +430,31 @@ def _ones(n: int) -> Any:
     return np.ones(n, dtype=bool)
 
 
-def _read_corpus(path: Path) -> tuple[str, str]:
-    """(path, sha256) of a usable corpus: a UTF-8 text file. Anything else is a ``QualityError``."""
+def _read_corpus(path: Path, limit: int) -> tuple[str, str, int]:
+    """(path, sha256, bytes) of the part of a corpus the chunks use: its first ``limit`` bytes (cut
+    back to a whole character), which must be UTF-8 text. Anything else is a ``QualityError``. The
+    rest of the file is never read (a corpus of 1 GB is read as far as the chunks need)."""
     if not path.exists():
         raise QualityError(f"{path}: no such corpus file")
     if not path.is_file():
         raise QualityError(f"{path}: the corpus must be a text file, not a directory")
-    data = path.read_bytes()
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit)
+    except OSError as exc:
+        raise QualityError(f"{path}: cannot read the corpus: {exc.strerror}") from None
     if not data.strip():
         raise QualityError(f"{path}: the corpus is empty")
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise QualityError(f"{path}: the corpus is not UTF-8 text (byte {exc.start} is not valid UTF-8)") from None
-    return str(path), hashlib.sha256(data).hexdigest()
+        if not (exc.reason == "unexpected end of data" and len(data) == limit):
+            raise QualityError(f"{path}: the corpus is not UTF-8 text (byte {exc.start} is not valid UTF-8)") from None
+        data = data[: exc.start]  # the read ended inside a character
+    nul = data.find(b"\x00")
+    if nul >= 0:  # valid UTF-8, but no text holds NUL bytes: a binary file (or a disk image) named as a corpus
+        raise QualityError(f"{path}: the corpus is not text (byte {nul} is a NUL byte); give a plain text file")
+    return str(path), hashlib.sha256(data).hexdigest(), len(data)
 
 
 # -- the function most callers want -----------------------------------------------------------------
