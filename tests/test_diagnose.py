@@ -46,6 +46,12 @@ def test_what_happened_is_what_truth_says(name):
     result = run(["diagnose", str(LOGS / name), "--json"])
     if truth["layers_offloaded"] is None and not truth["model_buffers"] and not truth["oom"] and not truth["kv_by_device"] \
             and not truth["compute_by_device"]:
+        if truth.get("prompt_tps") is not None or truth.get("eval_tps") is not None:
+            # timings only: diagnose reports the speeds (and says the load is not in the log)
+            assert result.exit_code == 0, result.output
+            text = run(["diagnose", str(LOGS / name)]).output
+            assert text.startswith("speed: ") and "not in this log" in text
+            return
         # nothing of the load in this excerpt: one clear line, exit 2
         assert result.exit_code == 2, result.output
         assert result.output.count("\n") == 1 and "no llama.cpp load lines" in result.output
@@ -282,3 +288,75 @@ def test_log_facts_read_the_shape_and_the_failed_allocation():
     compute = log_facts((LOGS / "07_ikfork-2xcuda-compute-oom-collapsed-whitespace.log").read_bytes())
     assert (compute.oom_device, compute.oom_what) == ("CUDA0", "compute") and len(compute.overridden_to_cpu) == 20
     assert log_facts(bytes(range(256)) * 100) == log_facts("")
+
+
+# -- logs as people paste them: Ollama's own engine, `ollama ps`, timings only (tests/logs/written) ----
+
+WRITTEN = LOGS / "written"
+
+
+def test_a_two_gpu_ollama_log_is_a_full_offload_and_never_cpu_only():
+    result = run(["diagnose", str(WRITTEN / "ollama-2025-ggml-buffer-2xcuda-journald.log")])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("full offload, 41/41 layers") and "CPU-only" not in result.output
+    assert "CUDA1" in result.output and "rounded figures" in result.output
+    data = json.loads(run(["diagnose", str(WRITTEN / "ollama-2025-ggml-buffer-2xcuda-journald.log"), "--json"]).output)
+    assert data["memory"]["CUDA1"]["weights"] == round(11.9 * 1024 * MiB) and data["memory"]["CUDA0"]["free"] == round(23.1 * 1024 * MiB)
+
+
+def test_an_ollama_partial_offload_gets_levers():
+    data = json.loads(run(["diagnose", str(WRITTEN / "ollama-2026-device-cuda-partial-docker.log"), "--json"]).output)
+    assert data["what_happened"]["partial_offload"] is True and data["memory"]["CUDA0"]["kv"] == 608 * MiB
+    assert data["levers"] and data["memory"]["CUDA0"]["free"] == round(4.3 * 1024 * MiB)
+
+
+@pytest.mark.parametrize("text", [
+    "load_tensors: offloaded 20/41 layers to GPU\n",  # an excerpt: layers offloaded, no memory lines
+    'time=2025-06-12T09:14:02.301+02:00 level=INFO source=ggml.go:362 msg="offloaded 41/41 layers to GPU"\n',
+])
+def test_a_log_that_offloaded_layers_is_never_called_cpu_only(text):
+    result = run(["diagnose", "-"], input=text)
+    assert result.exit_code == 0, result.output
+    assert "CPU-only" not in result.output and "CPU only" not in result.output
+
+
+def test_every_log_that_offloaded_layers_is_never_called_cpu_only():
+    from tuner.engine.logparse import parse_log
+
+    for path in [*sorted(LOGS.glob("*.log")), *sorted(WRITTEN.glob("*.log"))]:
+        report = parse_log(path.read_bytes().decode("utf-8", errors="replace"))
+        if not report.effective_layers_offloaded:
+            continue
+        result = run(["diagnose", str(path)])
+        assert "CPU-only" not in result.output and "CPU only" not in result.output, path.name
+
+
+def test_ollama_ps_pasted_is_a_partial_offload():
+    result = run(["diagnose", str(WRITTEN / "ollama-ps.txt"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["what_happened"]["partial_offload"] is True
+    text = run(["diagnose", str(WRITTEN / "ollama-ps.txt")]).output
+    assert text.startswith("partial offload: Ollama runs 52% of the model on the GPU and 48% on the CPU (ollama ps)")
+
+
+def test_a_json_log_of_timings_only_reports_its_speeds():
+    result = run(["diagnose", str(WRITTEN / "llama-server-2024-json-timings-only.log")])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("speed: prompt 126.04 tokens/s, generation 31.83 tokens/s; where the layers went is not in this log")
+
+
+def test_diagnose_is_linear_in_device_lines_and_says_what_is_wrong_with_thousands():
+    import time
+
+    # 10^5 "using device" lines took minutes (each device compared with every other); now linear
+    lines = "".join(f"llama_model_load_from_file_impl: using device CUDA{i} (NVIDIA RTX 4090) - 20000 MiB free\n"
+                    for i in range(100_000))
+    started = time.monotonic()
+    result = run(["diagnose", "-"], input=lines + "load_tensors: offloaded 20/41 layers to GPU\n"
+                 "load_tensors:        CUDA0 model buffer size =  2000.00 MiB\n")
+    assert time.monotonic() - started < 30  # quadratic took ~15 minutes (10,000 lines: 10.6 s)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output[-500:]
+    assert "this log names 100000 devices, and llama.cpp uses at most 256" in result.output
+    few = "".join(f"llama_model_load_from_file_impl: using device CUDA{i} (NVIDIA RTX 4090) - 20000 MiB free\n" for i in range(2000))
+    result = run(["diagnose", "-"], input=few + "load_tensors: offloaded 20/41 layers to GPU\n")
+    assert result.exit_code == 2 and "this log names 2000 devices" in result.output and "tensor_split" not in result.output

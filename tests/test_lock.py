@@ -144,3 +144,31 @@ def test_two_tunes_of_one_model_in_one_data_folder_at_once(models, tmp_path):
     result = json.loads(out2)
     assert result["trials"]["run"] == 2
     assert json.loads((tmp_path / "first.json").read_text())["study"]["name"] == result["study"]["name"]
+
+
+def test_the_lock_file_is_0644_and_its_record_is_printed_escaped(tmp_path):
+    """Another local user could write terminal escapes and fake lines into a 0666 record, and tune
+    printed them raw. The file is 0644 (only its creator writes it), the user named is the file's
+    owner as the OS says, and every field is escaped."""
+    import pwd
+    import stat
+
+    lock = MachineLock("k", folder=tmp_path)
+    lock.acquire(wait=False)
+    try:
+        assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o644
+    finally:
+        lock.release()
+    # an old 0666 file, and a record someone wrote into it
+    os.chmod(lock.path, 0o666)
+    lock.path.write_text(json.dumps({"pid": "1\n2", "user": "root", "what": "tune \x1b[2J\x1b[31mFAKE\nError: x",
+                                     "since": "\x07now"}))
+    message = MachineLock("k", folder=tmp_path).describe_holder()
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert message == (f"another tuner is measuring on this machine (pid ?, user {me}, tune \\x1b[2J\\x1b[31mFAKE\\nError: x, "
+                       "since \\x07now)")
+    assert "\x1b" not in message and "\n" not in message
+    again = MachineLock("k", folder=tmp_path)
+    again.acquire(wait=False)  # taking it makes the old file 0644 again
+    again.release()
+    assert stat.S_IMODE(os.stat(lock.path).st_mode) == 0o644

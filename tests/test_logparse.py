@@ -990,3 +990,89 @@ def test_pathological_lines_take_linear_time() -> None:
         r = parse_log((line + "\n") * 50)
         _check_sane(r)
     assert time.monotonic() - started < 120
+
+
+# ---------------------------------------------------------------------------------------------
+# Ollama's own engine (Go slog key=value lines), `ollama ps`, and other shapes people paste
+# (tests/logs/written/README.md: these lines were written here from Ollama's and llama.cpp's sources)
+# ---------------------------------------------------------------------------------------------
+
+WRITTEN = LOGS / "written"
+GiB = 1024 * MiB
+
+# Ollama's prefixes: none, journald, docker compose, docker --timestamps
+_OLLAMA_PREFIXES = ["", "Jun 12 09:14:02 box ollama[1843]: ", "ollama-1  | ", "2026-03-02T18:40:12.611412345Z "]
+
+
+@pytest.mark.parametrize("prefix", _OLLAMA_PREFIXES)
+@pytest.mark.parametrize("field, source", [("buffer", "ggml.go:405"), ("device", "device.go:240")])
+@pytest.mark.parametrize("size, expected", [("11.9 GiB", round(11.9 * GiB)), ("457.0 MiB", 457 * MiB), ("2.2 MiB", round(2.2 * MiB)),
+                                            ("512.0 KiB", 512 * 1024), ("512 B", 512)])
+def test_ollama_memory_lines_every_form_unit_and_prefix(prefix, field, source, size, expected):
+    head = f"{prefix}time=2026-03-02T18:40:12.611Z level=INFO source="
+    text = (f'{head}ggml.go:502 msg="offloaded 41/41 layers to GPU"\n'
+            f'{head}{source} msg="model weights" {field}=CUDA1 size="{size}"\n'
+            f'{head}{source} msg="model weights" {field}=CPU size="3.3 GiB"\n')
+    if field == "device":
+        text += (f'{head}device.go:251 msg="kv cache" device=CUDA1 size="{size}"\n'
+                 f'{head}device.go:262 msg="compute graph" device=CUDA1 size="{size}"\n'
+                 f'{head}device.go:272 msg="total memory" size="4.7 GiB"\n')
+    else:
+        text += f'{head}ggml.go:801 msg="compute graph" backend=CUDA1 buffer_type=CUDA1 size="{size}"\n'
+    text += (f'{head}sched.go:491 msg="gpu memory" id=GPU-5c0d library=CUDA available="3.3 GiB" free="{size}" '
+             'minimum="457.0 MiB" overhead="0 B"\n')
+    r = parse_log(text)
+    assert r.model_buffers == {"CUDA1": expected, "CPU": round(3.3 * GiB)}
+    assert r.compute_buffers == {"CUDA1": expected}
+    assert r.kv_buffers == ({"CUDA1": expected} if field == "device" else {})
+    assert r.devices == {"CUDA0": expected}  # the scheduler's first CUDA GPU
+    assert (r.layers_offloaded, r.layers_total) == (41, 41) and r.cpu_only is False
+    assert r.notes and "Ollama" in r.notes[0] and "rounded" in r.notes[0]
+    assert "rounded" in format_report(r)
+
+
+def test_ollama_written_logs():
+    r = parse_log((WRITTEN / "ollama-2025-ggml-buffer-2xcuda-journald.log").read_text())
+    assert r.device_weights == {"CUDA0": round(9.6 * GiB), "CUDA1": round(11.9 * GiB)}
+    # the 2025 "gpu memory" line names no library: its GPUs take the buffers' backend
+    assert r.devices == {"CUDA0": round(23.1 * GiB), "CUDA1": round(23.5 * GiB)}
+    assert r.compute_buffers == {"CUDA0": round(1.1 * GiB), "CUDA1": round(1.1 * GiB), "CPU": round(2.2 * MiB)}
+    assert r.cpu_only is False and r.partial_offload is False
+    r = parse_log((WRITTEN / "ollama-2026-device-cuda-partial-docker.log").read_text())
+    assert (r.layers_offloaded, r.layers_total, r.partial_offload) == (19, 37, True)
+    assert r.kv_buffers == {"CUDA0": 608 * MiB, "CPU": round(1.1 * GiB)} and r.kv_size == 608 * MiB + round(1.1 * GiB)
+    assert r.devices == {"CUDA0": round(4.3 * GiB)}
+
+
+def test_ollama_ps_is_a_partial_offload():
+    r = parse_log((WRITTEN / "ollama-ps.txt").read_text())
+    assert r.processor_split == {"CPU": 48, "GPU": 52} and r.partial_offload is True and r.cpu_only is False
+    assert parse_log("llama3:8b  365c0bd3c000  6.7 GB  100% GPU  4 minutes from now").partial_offload is False
+    assert parse_log("llama3:8b  365c0bd3c000  6.7 GB  100% CPU  4 minutes from now").cpu_only is True
+    assert "48% CPU / 52% GPU (partial offload!)" in format_report(r)
+
+
+def test_cpu_only_is_one_fact_over_every_log():
+    """A log that offloaded layers (or put anything on an accelerator) is never CPU-only."""
+    logs = sorted(LOGS.glob("*.log")) + sorted(WRITTEN.glob("*"))
+    seen = {True: 0, False: 0}
+    for path in logs:
+        if path.suffix == ".md":
+            continue
+        r = parse_log(path.read_bytes().decode("utf-8", errors="replace"))
+        if r.effective_layers_offloaded or any(v > 0 for v in r.device_weights.values()):
+            assert r.cpu_only is False, path.name
+        if r.cpu_only is not None:
+            seen[r.cpu_only] += 1
+    assert seen[True] >= 1 and seen[False] >= 10, seen  # both answers occur among real logs
+
+
+def test_early_2025_init_kv_size_keeps_n_ctx_when_a_second_load_follows():
+    r = parse_log((WRITTEN / "early2025-metal-init-kv-size-then-second-load.log").read_text())
+    assert r.n_ctx == 4096 and r.type_k == "f16" and r.layers_offloaded == 29
+    assert [load.n_ctx for load in r.loads] == [4096, None]
+
+
+def test_json_log_of_timings_only():
+    r = parse_log((WRITTEN / "llama-server-2024-json-timings-only.log").read_text())
+    assert (r.prompt_tps, r.eval_tps) == (126.04, 31.83) and r.layers_offloaded is None and not r.loads

@@ -196,3 +196,28 @@ def test_loading_profiles_stays_light(tmp_path):
     down = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
     assert down.returncode == 0, down.stderr
     assert "optuna" not in down.stdout and "sqlalchemy" in down.stdout
+
+
+def test_a_row_nested_100000_deep_is_one_clear_error_everywhere(tmp_path, tuner_home, monkeypatch):
+    """json's parser recurses per level: a deep row raised RecursionError in pull, check and every
+    app; the registry goes through the bound the profile folder uses (store.parse_json)."""
+    import sqlalchemy
+
+    url = f"sqlite:///{tmp_path / 'registry.db'}"
+    model = make_gguf(tmp_path / "m.gguf")
+    _published(tmp_path, url, profile_dict(machine=TUNED_ON, fingerprint=model_fingerprint(model)))
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as connection:
+        connection.execute(sqlalchemy.text("UPDATE offload_tuner_profiles SET document = :doc"),
+                           {"doc": "[" * 100_000 + "]" * 100_000})
+    engine.dispose()
+    deep = "registry row 1: not a profile: its JSON is nested too deeply (a profile is a few levels deep)"
+    pulled = _invoke("profile", "pull", "--from", url, machine=SAME_CLASS)
+    assert pulled.exit_code == 2 and "Traceback" not in pulled.output and "RecursionError" not in pulled.output
+    assert f"registry #1 invalid: {deep}" in pulled.output
+    monkeypatch.setenv("OFFLOAD_TUNER_REGISTRY", url)
+    with pytest.raises(NoMatchingProfileError):
+        load_profile(model, machine=SAME_CLASS)
+    checked = _invoke("profile", "check", str(model), machine=SAME_CLASS)
+    assert checked.exit_code == 2 and "Traceback" not in checked.output and "RecursionError" not in checked.output
+    assert checked.output.startswith("Error: ") and checked.output.count("\n") == 1, checked.output

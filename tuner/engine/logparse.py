@@ -591,7 +591,10 @@ _RX_KV_SIZE = re.compile(r"^llama_kv_cache\w*:\s*size\s*=\s*(" + _NUM + r")\s*("
 
 # "%s: kv_size = %u, type_k = '%s', type_v = '%s', n_layer = %d, ..."  llama_kv_cache_init (2024),
 #   llama_kv_cache_unified (early-mid 2025)
-_RX_KV_INIT = re.compile(r"^\w+:\s*kv_size\s*=\s*(\d+)\s*,\s*type_k\s*=\s*'(\w+)'\s*,\s*type_v\s*=\s*'(\w+)'")
+# "%s: kv_size = %u, offload = %d, type_k = '%s', type_v = '%s', n_layer = %d, can_shift = %d"
+#   llama_kv_cache_unified::init (early 2025: __func__ is a bare "init")
+_RX_KV_INIT = re.compile(r"^\w+:\s*kv_size\s*=\s*(\d+)\s*,(?:\s*offload\s*=\s*\d+\s*,)?"
+                         r"\s*type_k\s*=\s*'(\w+)'\s*,\s*type_v\s*=\s*'(\w+)'")
 
 # "%s: %10s compute buffer size = %8.2f MiB"  llama_new_context_with_model (2024), llama_context /
 #   sched_reserve (2025-2026)
@@ -1312,6 +1315,14 @@ class _Parser(_LineReader):
         devices = dict(self.devices)
         for k, v in self.breakdown_free.items():
             devices.setdefault(k, v)
+        # Ollama's 2025 "gpu memory" line names no library: its GPUs take the one backend the load's
+        # buffers name (GPU1 -> CUDA1), where there is exactly one
+        if any(name.startswith("GPU") for name in self.ollama_gpus.values()):
+            kinds = {re.sub(r"\d+$", "", label) for label in top.model_buffers if not _is_host_label(label)}
+            if len(kinds) == 1:
+                kind = kinds.pop()
+                devices = {(kind + k[3:] if k in self.ollama_gpus.values() and k.startswith("GPU") else k): v
+                           for k, v in devices.items()}
         errors = self.errors
         if len(errors) > _MAX_ERRORS:
             errors = errors[: _MAX_ERRORS // 2] + errors[-_MAX_ERRORS // 2:]
