@@ -15,6 +15,10 @@ is reported (this machine is shared: the best round is the least disturbed one).
 wall time, so waiting for the CPU does not count.
 
     python benchmarks/logparse_speed.py --mb 20
+
+``--baseline OTHER/tuner/engine/logparse.py`` times another version of the parser (say, the main
+branch's) in the same rounds, interleaved with this one, and prints the ratio: a before/after on a
+shared machine is only fair when both run side by side.
 """
 
 from __future__ import annotations
@@ -89,25 +93,41 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=20.0, help="size of each log, MB (default 20)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", metavar="LOGPARSE_PY", help="another logparse.py to time in the same rounds")
     args = parser.parse_args()
     from tuner.engine.logparse import parse_log
 
+    parsers = {"this": parse_log}
+    if args.baseline:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("baseline_logparse", args.baseline)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["baseline_logparse"] = module  # (dataclasses look their module up)
+        spec.loader.exec_module(module)
+        parsers["baseline"] = module.parse_log
     size = int(args.mb * 1e6)
     session = server_lines(size)
     logs = {"real": real_log(size), "server": llama_prefixed(session), "docker": docker_prefixed(session)}
-    expected = {name: parse_log(text) for name, text in logs.items()}  # warm-up, and a check below
-    assert expected["server"].n_ctx == expected["docker"].n_ctx == 131072, "the session's load was not read"
-    best: dict[str, float] = {}
+    for who, parse in parsers.items():
+        expected = {name: parse(text) for name, text in logs.items()}  # warm-up, and a check below
+        assert expected["server"].n_ctx == expected["docker"].n_ctx == 131072, f"{who}: the session's load was not read"
+    best: dict[tuple[str, str], float] = {}
     for _ in range(args.rounds):
         for name, text in logs.items():
-            started = time.process_time()
-            parse_log(text)
-            seconds = time.process_time() - started
-            best[name] = max(best.get(name, 0.0), len(text.encode("utf-8")) / 1e6 / seconds)
+            for who, parse in parsers.items():
+                started = time.process_time()
+                parse(text)
+                seconds = time.process_time() - started
+                best[who, name] = max(best.get((who, name), 0.0), len(text.encode("utf-8")) / 1e6 / seconds)
     print(f"parse_log on {args.mb:g} MB logs, best of {args.rounds} interleaved rounds (CPU time)")
-    for name, rate in best.items():
-        print(f"  {name:<7} {rate:6.1f} MB/s   {rate / AIM_MB_S:4.2f} x the {AIM_MB_S:g} MB/s aim"
-              f"   (a 50 MB log: {50 / rate:5.1f} s)")
+    for (who, name), rate in best.items():
+        label = name if len(parsers) == 1 else f"{name} ({who})"
+        line = (f"  {label:<18} {rate:6.1f} MB/s   {rate / AIM_MB_S:4.2f} x the {AIM_MB_S:g} MB/s aim"
+                f"   (a 50 MB log: {50 / rate:5.1f} s)")
+        if who == "this" and ("baseline", name) in best:
+            line += f"   {rate / best['baseline', name]:4.2f} x the baseline"
+        print(line)
     return 0
 
 

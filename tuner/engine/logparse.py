@@ -773,6 +773,7 @@ _FAILURE_WORD = re.compile(r"\b(?:error|failed|failure|fatal)\b", re.IGNORECASE)
 # Metadata dumps can contain any word (token texts, chat templates): never failure lines.
 _METADATA = re.compile(r"^(?:print_info|llm_load_print_meta|llama_model_loader:\s*-\s*(?:kv|type)\b|"
                        r"load:\s|llm_load_vocab|init_tokenizer)")
+_METADATA_PREFIXES = ("print_info", "llm_load_print_meta", "llama_model_loader:", "load:", "llm_load_vocab", "init_tokenizer")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -913,7 +914,10 @@ class _LineReader:
         if truncated:
             self._structured(raw)
             raw = raw[:_MAX_LINE]
-        line, err_t = _strip_transport(raw)
+        if raw[:1].islower() and "|" not in raw and " - " not in raw:
+            line, err_t = raw, False  # a bare llama.cpp line: _strip_transport's first test, inlined
+        else:
+            line, err_t = _strip_transport(raw)
         c0 = line[:1]
         found = None
         if c0 == "{" and '"msg"' in line:
@@ -1002,6 +1006,11 @@ class _Parser(_LineReader):
         Each group of regexes runs only when its words are in the line (see the gates below):
         most lines of a long log are none of these, and ``in`` costs a fraction of a search.
         """
+        if t.startswith(_METADATA_PREFIXES) and _METADATA.match(t):
+            # a metadata dump line (a third of a dense log): never a failure line (_failures skips
+            # them too), and of its keys only n_layer (and a context size) are read here
+            if "n_layer" not in t and "n_ctx" not in t:
+                return
         low = t.lower()
         if error_level or _maybe_failure(low):
             self._failures(t, low, shown, error_level)
