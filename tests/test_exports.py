@@ -367,6 +367,9 @@ def test_a_modelfile_cannot_carry_a_path_with_shell_or_quote_characters(tmp_path
         assert result.exit_code == 2 and result.stdout == ""
         assert result.output.startswith("Error: cannot write the Modelfile's FROM line: ")
         assert "Give the model's path on this machine with --model PATH" in result.output
+        if "\n" in "".join(extra):  # a newline is shown as Python writes it, once: '\n', never '\\n'
+            assert result.output.count("\n") == 1 and "'/data/a\\nADAPTER /evil.gguf' cannot be written" in result.output
+            assert "no way to quote '\\n'" in result.output and "\\\\n" not in result.output
     plain = CliRunner().invoke(profile_group, ["args", str(path), "--for", "ollama", "--model", "/data/my models/q-4,k+m@2.gguf"])
     assert plain.exit_code == 0 and "\nFROM /data/my models/q-4,k+m@2.gguf\n" in plain.stdout
     # the profile's hostile names are in the comments, escaped, each comment one line

@@ -721,3 +721,21 @@ def test_quality_reads_only_what_the_chunks_need_and_refuses_nul_bytes(models, t
     cut = tmp_path / "cut.txt"
     cut.write_bytes(b"a" * (64 * 4 * MAX_BYTES_PER_TOKEN - 1) + "é".encode() + b"more text")
     assert QualityMeter(info, corpus=cut, n_ctx=64, chunks=4).corpus_bytes == 64 * 4 * MAX_BYTES_PER_TOKEN - 1
+
+
+def test_report_storage_urls_with_a_query_or_an_unknown_driver_are_understood(tmp_path):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    db = tmp_path / "studies.db"
+    optuna.create_study(study_name="s1", storage=f"sqlite:///{db}")
+    env = {**os.environ, "OFFLOAD_TUNER_HOME": str(tmp_path / "home")}
+    # the file of a sqlite URL is not "studies.db?password=x": the study is found (it has no trials)
+    proc = subprocess.run([sys.executable, "-m", "tuner", "report", "--storage", f"sqlite:///{db}?password=x",
+                           "-o", str(tmp_path / "r.html")], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert proc.returncode == 2 and one_error_line(proc) == "Error: the study 's1' has no trials yet: nothing to report"
+    proc = subprocess.run([sys.executable, "-m", "tuner", "report", "--storage", "postgresql+bogusdrv://u@h/db",
+                           "-o", str(tmp_path / "r.html")], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env)
+    assert proc.returncode == 2 and one_error_line(proc) == (
+        "Error: postgresql+bogusdrv://u@h/db: unknown driver 'bogusdrv' for postgresql (SQLAlchemy has no "
+        "postgresql+bogusdrv dialect); leave the driver out (postgresql://) or name an installed one")

@@ -1150,12 +1150,12 @@ class _Parser(_LineReader):
 
     def _model(self, t: str) -> bool:
         p = self.p
-        if _RX_LOAD_START.match(t):
+        if t.startswith("llama_model_loader") and _RX_LOAD_START.match(t):
             if p.started or p.has_data() or self.c.reached():
                 self._new_pass()
             self.p.started = True
             return True
-        m = _RX_OFFLOADED.search(t)
+        m = _RX_OFFLOADED.search(t) if "offloaded" in t else None
         if m:
             offloaded, total = _int(m.group(1)), _int(m.group(2))
             if offloaded is None or total is None:
@@ -1168,7 +1168,7 @@ class _Parser(_LineReader):
             p.layers_offloaded, p.layers_total = offloaded, total
             p.assign_closed = p.assign_closed or bool(p.assignments)
             return True
-        m = _RX_LAYER_ASSIGN.match(t)
+        m = _RX_LAYER_ASSIGN.match(t) if "assigned" in t else None
         if m:
             il = _int(m.group(1))
             if il is None or il > 1 << 20:
@@ -1178,13 +1178,14 @@ class _Parser(_LineReader):
                 p = self.p
             p.assignments[il] = m.group(2)
             return True
-        m = _RX_N_LAYER.match(t)
+        m = _RX_N_LAYER.match(t) if "n_layer" in t else None
         if m:
             p.n_layer = _int(m.group(1))
             return True
-        for rx, label in ((_RX_MODEL_BUF, None), (_RX_VRAM_USED, "VRAM used"),
-                          (_RX_MEM_REQUIRED, "mem required (host)"), (_RX_SYS_MEM, "system memory used")):
-            m = rx.match(t)
+        for rx, label, word in ((_RX_MODEL_BUF, None, "buffer"), (_RX_VRAM_USED, "VRAM used", "VRAM"),
+                                (_RX_MEM_REQUIRED, "mem required (host)", "required"),
+                                (_RX_SYS_MEM, "system memory used", "system memory")):
+            m = rx.match(t) if word in t else None
             if m:
                 if self.c.has_data():
                     self._new_pass()
@@ -1195,7 +1196,7 @@ class _Parser(_LineReader):
                     _add(p.model_buffers, label, _bytes(m.group(1), m.group(2)))
                 p.assign_closed = p.assign_closed or bool(p.assignments)
                 return True
-        m = _RX_METAL_ADD.match(t)
+        m = _RX_METAL_ADD.match(t) if t.startswith("ggml_metal_add_buffer") else None
         if m:
             # 2023 Metal maps buffers after the context exists, so no pass logic here
             kind, size = m.group(1).lower(), _bytes(m.group(2), m.group(3))
@@ -1214,30 +1215,32 @@ class _Parser(_LineReader):
 
     def _context(self, t: str) -> None:
         c = self.c
-        if _RX_CTX_START.match(t):
+        if "constructing" in t and _RX_CTX_START.match(t):
             self._new_ctx()
             self.c.constructing = True
             return
-        m = _RX_N_CTX.match(t)
+        n_ctx_in = "n_ctx" in t
+        m = _RX_N_CTX.match(t) if n_ctx_in else None
         if m:
             if c.has_data():
                 self._new_ctx()
                 c = self.c
             c.n_ctx = _int(m.group(2))
             return
-        m = _RX_KV_BUF.match(t)
+        buffer = "buffer" in t
+        m = _RX_KV_BUF.match(t) if buffer and "KV" in t else None
         if m:
             _add(c.kv_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
             return
-        m = _RX_RS_BUF.match(t)
+        m = _RX_RS_BUF.match(t) if buffer and "RS" in t else None
         if m:
             _add(c.kv_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
             return
-        m = _RX_VRAM_KV.match(t)
+        m = _RX_VRAM_KV.match(t) if "VRAM" in t else None
         if m:
             _add(c.kv_buffers, "VRAM", _bytes(m.group(1), m.group(2)))
             return
-        m = _RX_KV_SELF.match(t)
+        m = _RX_KV_SELF.match(t) if "self" in t.lower() else None
         if m:
             size = _bytes(m.group(1), m.group(2))
             if size is not None:
@@ -1245,7 +1248,7 @@ class _Parser(_LineReader):
             c.type_k = m.group(3) or c.type_k
             c.type_v = m.group(4) or c.type_v
             return
-        m = _RX_KV_SIZE.match(t)
+        m = _RX_KV_SIZE.match(t) if t.startswith("llama_kv_cache") else None
         if m:
             size = _bytes(m.group(1), m.group(2))
             if size is not None:
@@ -1256,30 +1259,31 @@ class _Parser(_LineReader):
             c.type_k = m.group(5) or c.type_k
             c.type_v = m.group(6) or c.type_v
             return
-        m = _RX_KV_INIT.match(t)
+        m = _RX_KV_INIT.match(t) if "kv_size" in t else None
         if m:
             cells = _int(m.group(1))
             if cells is not None:
                 c.cells = max(c.cells or 0, cells)
             c.type_k, c.type_v = m.group(2), m.group(3)
             return
-        m = _RX_COMPUTE.match(t)
+        compute = buffer and "compute" in t
+        m = _RX_COMPUTE.match(t) if compute else None
         if m:
             _add(c.compute_buffers, m.group(1), _bytes(m.group(2), m.group(3)))
             return
-        m = _RX_INPUT.match(t)
+        m = _RX_INPUT.match(t) if buffer and "input" in t else None
         if m:
             _add(c.compute_buffers, f"{m.group(1)} input", _bytes(m.group(2), m.group(3)))
             return
-        m = _RX_COMPUTE_TOTAL.match(t)
+        m = _RX_COMPUTE_TOTAL.match(t) if compute else None
         if m:
             _add(c.compute_buffers, "compute buffer total", _bytes(m.group(1), m.group(2)))
             return
-        m = _RX_VRAM_SCRATCH.match(t)
+        m = _RX_VRAM_SCRATCH.match(t) if buffer and "VRAM" in t else None
         if m:
             _add(c.compute_buffers, "VRAM scratch", _bytes(m.group(1), m.group(2)))
             return
-        m = _RX_N_SEQ_MAX.match(t)
+        m = _RX_N_SEQ_MAX.match(t) if "n_seq_max" in t else None
         if m:
             c.n_seq_max = _int(m.group(1))
             return
@@ -1287,7 +1291,7 @@ class _Parser(_LineReader):
         if m:
             c.n_ctx_seq = _int(m.group(1) or m.group(2))
             return
-        m = _RX_N_CTX_ANY.match(t)
+        m = _RX_N_CTX_ANY.match(t) if n_ctx_in else None
         if m:
             c.n_ctx_any = _int(m.group(1))
             return
