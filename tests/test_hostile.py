@@ -527,7 +527,7 @@ def test_a_pattern_re2_cannot_express_is_one_clear_line(models, tmp_path):
 def test_resolved_overrides_name_exactly_the_tensors_the_patterns_match():
     import re
 
-    from tuner.engine.overrides import resolved_patterns
+    from tuner.engine.tensor_match import resolved_patterns
 
     names = [f"blk.{i}.{t}.weight" for i in range(40) for t in ("ffn_up_exps", "ffn_down_exps", "attn_q", "ffn_norm")]
     names += ["token_embd.weight", "output.weight", "odd-name+x.weight"]

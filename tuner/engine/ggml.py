@@ -74,7 +74,7 @@ class OverrideArray:
     def __init__(self, patterns: tuple[str, ...] | list[str], model_path: str | os.PathLike[str]) -> None:
         from ..errors import SettingsError
         from ..limits import check_tensor_pattern
-        from .overrides import resolved_patterns, tensor_names
+        from .tensor_match import resolved_patterns, tensor_names
 
         # the last gate before llama.cpp: it gets the names the patterns match in this model (RE2,
         # linear time), never the patterns themselves (std::regex backtracks: see engine/overrides.py)
