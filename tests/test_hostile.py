@@ -739,3 +739,21 @@ def test_report_storage_urls_with_a_query_or_an_unknown_driver_are_understood(tm
     assert proc.returncode == 2 and one_error_line(proc) == (
         "Error: postgresql+bogusdrv://u@h/db: unknown driver 'bogusdrv' for postgresql (SQLAlchemy has no "
         "postgresql+bogusdrv dialect); leave the driver out (postgresql://) or name an installed one")
+
+
+def test_an_export_for_llama_cpp_tools_gives_the_matched_names_not_the_pattern(models, tmp_path):
+    """llama-server / llama-cli / llama-bench match -ot with std::regex too: where the model file is
+    at hand, an export carries the names RE2 matched, as literals (else the patterns as written)."""
+    import shlex
+
+    from tuner.profile.document import Profile
+    from tuner.profile.exports import tool_args
+
+    profile = Profile.from_dict(_profile_of(models["q8_0"], tensor_overrides=[*_CATASTROPHIC, r"blk\.0\.ffn_(up|down)"]))
+    for tool, sep in (("llama-server", ","), ("llama-bench", ";")):
+        args = tool_args(profile, tool, model_path=str(models["q8_0"]))
+        value = args[args.index("-ot") + 1]
+        assert value == "^(blk[.]0[.]ffn_down[.]weight|blk[.]0[.]ffn_up[.]weight)$=CPU", value  # the file's order
+    elsewhere = tool_args(profile, "llama-server", model_path="/not/here.gguf")
+    assert elsewhere[elsewhere.index("-ot") + 1].endswith(r"blk\.0\.ffn_(up|down)=CPU")
+    assert shlex.split(shlex.join(elsewhere))  # (still one safe argument each)

@@ -111,6 +111,28 @@ class Export:
 Writer = Callable[[Any, Export], list[str]]  # (settings, export) -> argv words, [] when nothing to say
 
 
+def _llama_patterns(s: Any, e: Export) -> tuple[str, ...]:
+    """The tensor overrides a llama.cpp tool is given: where the model file is at hand, the tensor
+    names the patterns match in it, as escaped literals (tuner.engine.tensor_match: std::regex, which
+    backtracks, never sees a shared profile's pattern); else the patterns as written."""
+    import os
+
+    path = e.model_path or getattr(s, "model_path", None)
+    if path and os.path.isfile(path):
+        from .tensor_match import resolved_patterns, tensor_names
+
+        try:
+            return resolved_patterns(s.tensor_overrides, tensor_names(path))
+        except Exception:  # noqa: BLE001 - not a readable GGUF here: the patterns as written
+            pass
+    return tuple(s.tensor_overrides)
+
+
+def _ot_flag(s: Any, e: Export, separator: str) -> list[str]:
+    patterns = _llama_patterns(s, e) if s.tensor_overrides else ()
+    return ["-ot", separator.join(f"{p}=CPU" for p in patterns)] if patterns else []
+
+
 @dataclass(frozen=True)
 class Option:
     """The option(s) of ``offload-tuner bench`` and ``estimate`` that set a dimension."""
@@ -711,9 +733,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
         c_api_by_worker="an override array llama_model_params.tensor_buft_overrides points at",
         host_patterns=lambda s: tuple(s.tensor_overrides),
         flags={
-            **_server_cli(lambda s, e: ["-ot", ",".join(f"{p}=CPU" for p in s.tensor_overrides)] if s.tensor_overrides else []),
+            **_server_cli(lambda s, e: _ot_flag(s, e, ",")),
             # llama-bench uses ',' between runs and ';' between the overrides of one run
-            "llama-bench": lambda s, e: ["-ot", ";".join(f"{p}=CPU" for p in s.tensor_overrides)] if s.tensor_overrides else [],
+            "llama-bench": lambda s, e: _ot_flag(s, e, ";"),
         },
         env=Env("LLAMA_ARG_OVERRIDE_TENSOR"),
         ollama=Ollama(140, note=lambda s, e: (
