@@ -360,3 +360,12 @@ def test_diagnose_is_linear_in_device_lines_and_says_what_is_wrong_with_thousand
     few = "".join(f"llama_model_load_from_file_impl: using device CUDA{i} (NVIDIA RTX 4090) - 20000 MiB free\n" for i in range(2000))
     result = run(["diagnose", "-"], input=few + "load_tensors: offloaded 20/41 layers to GPU\n")
     assert result.exit_code == 2 and "this log names 2000 devices" in result.output and "tensor_split" not in result.output
+
+
+def test_no_offload_is_called_cpu_only_only_when_no_accelerator_held_anything():
+    # 0/95 layers, but CUDA0 held compute buffers: not a CPU-only run (LoadReport.cpu_only is the one fact)
+    text = run(["diagnose", str(LOGS / "05_mainline-2xcuda-zero-offload-split-gguf.log")]).output
+    assert text.startswith("no offload, 0/95 layers (weights on the CPU; an accelerator holds compute or KV buffers)")
+    assert "CPU-only" not in text
+    text = run(["diagnose", str(LOGS / "01_mainline-cpu-only-server-windows-qwen3moe.log")]).output
+    assert text.startswith("no offload, 0/49 layers (CPU only)") and "a CPU-only run" in text

@@ -407,7 +407,8 @@ def diagnose(
     free_after = {d: (use.free - use.used) for d, use in memory.items()
                   if d != CPU and use.free is not None and not report.oom}
     summary = offload_summary(report.layers_offloaded, report.layers_total, free_after, oom=bool(report.oom),
-                              oom_device=oom_device, oom_what=facts.oom_what, cpu_fallback=bool(cpu_fallback))
+                              oom_device=oom_device, oom_what=facts.oom_what, cpu_fallback=bool(cpu_fallback),
+                              cpu_only=report.cpu_only)
     notes.extend(report.notes)
     if report.processor_split and report.layers_offloaded is None:
         # `ollama ps` pasted: its PROCESSOR column is the only placement fact

@@ -30,8 +30,11 @@ def offload_summary(
     oom_device: str | None = None,
     oom_what: str | None = None,
     cpu_fallback: bool = False,
+    cpu_only: bool | None = None,
 ) -> str:
-    """One line. ``free`` maps accelerators to the bytes left free after the load (None: unknown)."""
+    """One line. ``free`` maps accelerators to the bytes left free after the load (None: unknown);
+    ``cpu_only`` is ``LoadReport.cpu_only`` where a log says it (False: no layer offloaded, yet an
+    accelerator held something, such as compute buffers)."""
     if cpu_fallback:
         head = (f"CPU fallback: {layers_offloaded}/{layers_total} layers reported offloaded, "
                 "but every buffer is on the CPU")
@@ -46,7 +49,8 @@ def offload_summary(
     elif layers_offloaded >= layers_total:
         head = f"full offload, {layers_offloaded}/{layers_total} layers"
     elif layers_offloaded == 0:
-        head = f"no offload, 0/{layers_total} layers (CPU only)"
+        head = f"no offload, 0/{layers_total} layers" + (
+            " (weights on the CPU; an accelerator holds compute or KV buffers)" if cpu_only is False else " (CPU only)")
     else:
         head = f"partial offload, {layers_offloaded}/{layers_total} layers"
     known = {name: value for name, value in (free or {}).items() if value is not None}
