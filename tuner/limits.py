@@ -11,6 +11,7 @@ This module imports nothing of the tuner's: every stage may use it.
 
 from __future__ import annotations
 
+import functools
 import re
 
 # -- settings (llama.cpp's own types in brackets) ------------------------------------------------
@@ -126,6 +127,7 @@ def check_name(text: object, what: str, *, limit: int = MAX_NAME) -> str | None:
 _RE2_OPTIONS: object = None
 
 
+@functools.lru_cache(maxsize=1024)  # (the memory arithmetic asks for the same few patterns thousands of times)
 def tensor_regex(pattern: str):
     """``pattern`` compiled by RE2 (linear-time matching); raises ``ValueError`` with RE2's reason
     when RE2 cannot express it. Every matcher of tensor overrides in this tool calls this."""
