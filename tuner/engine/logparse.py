@@ -886,6 +886,23 @@ def _add(d: dict[str, int], key: str, value: int | None) -> None:
             del d[key]
 
 
+def _maybe_oom(low: str) -> bool:
+    """Whether _OOM / _OOM_GENERIC could match: each of their patterns holds one of these words
+    (an "allocating ..." line is not worth the costly search)."""
+    return ("fail" in low or "out of memory" in low or "erroroutof" in low or "insufficient memory" in low
+            or "unable to allocate" in low or "can't allocate" in low or "bad_alloc" in low
+            or "cannot allocate memory" in low or "not enough space" in low or "cl_out_of" in low)
+
+
+_ERROR_LINE_STARTS = ("err", "fatal", "terminate called", "panic:", "segmentation fault", "aborted", "illegal instruction",
+                      "bus error", "floating point exception")
+
+
+def _maybe_error_line(t: str, low: str) -> bool:
+    """Whether _ERROR_LINE could match (each of its patterns holds one of these)."""
+    return ("ggml_a" in low or "error" in t or "()" in t or low.lstrip().startswith(_ERROR_LINE_STARTS))
+
+
 def _maybe_failure(low: str) -> bool:
     """Whether a (lower-cased) message could be an out-of-memory or failure line: every pattern in
     _OOM, _OOM_GENERIC, _ERROR_LINE and _FAILURE_WORD contains one of these words. A cheap test
@@ -1082,8 +1099,10 @@ class _Parser(_LineReader):
             return
         # (every _OOM / _OOM_GENERIC pattern holds one of these words: the searches are costly)
         is_oom = (("alloc" in low or "memory" in low or "mmap failed" in low or "cl_out" in low)
+                  and _maybe_oom(low)
                   and (bool(_OOM.search(t)) or (bool(_OOM_GENERIC.search(t)) and bool(_LOGLIKE.search(t)))))
-        if not (is_oom or error_level or _ERROR_LINE.search(t) or self._func_failure(t)):
+        if not (is_oom or error_level or (_maybe_error_line(t, low) and _ERROR_LINE.search(t))
+                or (("err" in low or "fail" in low or "fatal" in low) and self._func_failure(t))):
             return
         if _NON_FATAL.search(t):
             return
