@@ -33,8 +33,9 @@ buffer (``AMX``, ``CPU_REPACK``, at their repacked size); the rest is ``CPU_Mapp
 the file from the first of them to the end of the last (src/llama-model-loader.cpp ``get_mapping_range``:
 a repacked weight inside that span is mapped too, and copied), or ``CPU`` without mmap, each tensor padded
 to 32 bytes. So with mmap the host holds the mapped file **and** the repacked copy. The host's
-``weights`` are its own tensors and the repacked copies (the mapped span can also cover offloaded
-tensors' pages, which are read once to upload them and not held). The CPU's features
+``weights`` are its own tensors, the repacked copies and, with mmap, the file's pages of the repacked
+tensors (the mapped span can also cover offloaded tensors' pages, read once to upload them and not
+counted). The CPU's features
 come from llama.cpp (``cpu=``, a ``CpuFeatures``); without them nothing is repacked.
 
 Compute buffers are llama.cpp's graph allocator peaks; we model them from the largest live
@@ -291,6 +292,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     repack_on = bool(getattr(settings, "repack", True)) and cpu is not None and not takes_host_weights(devices)
     extra: dict[str, int] = {}
     on_host: list[Any] = []
+    repacked_in_file = 0
     block = re.compile(r"^blk\.(\d+)\.")
     for tensor in model.tensors:
         m = block.match(tensor.name)
@@ -311,6 +313,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
             buffer = extra_buffer(tensor.name, tensor.type, tensor.shape, cpu) if repack_on else None
             if buffer:
                 extra[buffer] = extra.get(buffer, 0) + pad(extra_size(buffer, tensor.type, tensor.shape, tensor.n_bytes), 32)
+                repacked_in_file += tensor.n_bytes
             else:
                 on_host.append(tensor)
         else:
@@ -324,9 +327,12 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     for il in range(n_layer):
         layers[placement[il]] += 1
     host_buffer = _host_weights(on_host, getattr(settings, "use_mmap", True))
-    # what the host holds: its own tensors (with mmap, the mapped span's other pages are the
-    # offloaded tensors', read once to upload them) and every repacked copy
+    # what the host holds: its own tensors and every repacked copy; with mmap also the file's pages of
+    # the repacked tensors (mapped, and read to repack them). The mapped span's other pages belong to
+    # offloaded tensors, read once to upload them, and are not counted.
     weights[CPU] = sum(t.n_bytes for t in on_host) + sum(extra.values())
+    if getattr(settings, "use_mmap", True):
+        weights[CPU] += repacked_in_file
     buffers: dict[str, dict[str, int]] = {CPU: {("CPU_Mapped" if getattr(settings, "use_mmap", True) else "CPU"): host_buffer,
                                                **extra}}
     buffers.update({d: {d: weights[d]} for d in devices if weights[d]})
