@@ -153,6 +153,10 @@ def test_repack_is_spelled_for_every_tool_and_the_c_api():
 def test_repack_is_searched_only_where_the_cpu_repacks_the_models_weights(models, q4_0):
     q8 = inspect(models["q8_0"])
     assert "repack" in build_space([q8], cpu=AVX2_CPU).excluded  # AVX2 repacks no Q8_0
+    # with a variant that has none, asked for the variant that has some only
+    both = build_space([q8, inspect(q4_0)], cpu=AVX2_CPU)
+    assert {s.repack for s in both.grid() if s.model_path == str(q4_0)} == {True, False}
+    assert {s.repack for s in both.grid() if s.model_path == q8.path} == {True}
     assert build_space([q8], cpu=AMX_CPU).domains["repack"] == (True, False)  # AMX does
     space = build_space([inspect(q4_0)], cpu=AVX2_CPU)
     assert space.domains["repack"] == (True, False) and "repack" in space.dimensions()

@@ -772,11 +772,12 @@ DIMENSIONS: tuple[Dimension, ...] = (
         ollama=Ollama(165, note=lambda s, e: "repack false (no weight repacking): no ollama parameter; "
                       "ollama's own llama.cpp decides its CPU buffers" if not s.repack else None),
         # only where it changes what llama.cpp loads: weights of a type this CPU repacks, held by the CPU
-        search=Search(applies=lambda f, c: len(f.domain("repack")) > 1 and _cpu_holds_weights(f, c),
+        search=Search(applies=lambda f, c: (len(f.domain("repack")) > 1 and _cpu_holds_weights(f, c)
+                                            and c.get("model_path") in f.domain("repack_variants")),
                       why_not=lambda f: "no weight of this model is of a type this CPU repacks",
                       fixed=lambda f, c: f.domain("repack")[0] if f.domain("repack") else True,
-                      depends_on=("n_gpu_layers", "tensor_overrides", "n_cpu_moe"),
-                      when="layers or tensors are on the CPU"),
+                      depends_on=("model_path", "n_gpu_layers", "tensor_overrides", "n_cpu_moe"),
+                      when="layers or tensors of a variant this CPU repacks are on the CPU"),
     ),
     Dimension(
         "rpc_servers", "endpoints", (),

@@ -413,6 +413,10 @@ def build_space(
     repack_why = _repack_why_not(models, devices, cpu)
     if repack_why is None and can("repack"):
         domains["repack"] = (True, False)
+        # the variants with weights this CPU repacks (another quantization may have none)
+        from ..model.repack import repackable
+
+        domains["repack_variants"] = tuple(m.path for m in models if repackable(m.tensors, cpu))
     else:
         excluded["repack"] = repack_why or "the engine cannot set it"
     if has_swa and can("swa_full"):
