@@ -321,3 +321,25 @@ def test_probe_says_what_llama_cpp_reports_and_the_repack_risk():
     text = format_machine(_amx_machine())
     assert "CPU features (llama.cpp): " in text and "AMX_INT8" in text
     assert "Weight repacking: " in text and "ggml-org/llama.cpp#20824" in text
+
+
+def test_bench_ends_with_a_measured_result_when_the_crash_is_avoidable(models, monkeypatch):
+    from click.testing import CliRunner
+
+    import tuner.engine.select as select
+    from tuner.cli.main import cli
+
+    info = inspect(models["q8_0"])
+    engine = ScriptedRunner({info.path: info}, crash_when=lambda s: s.repack)
+    monkeypatch.setattr(select, "open_engine", lambda *a, **k: engine)
+    result = CliRunner().invoke(cli, ["bench", str(models["q8_0"]), "-p", "16", "-n", "8", "-r", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["outcome"] == "ok" and data["tg"]["median"] > 0
+    assert data["settings"]["repack"] is False
+    assert data["crash_avoided"]["off"] == ["repack"] and data["crash_avoided"]["runs"] == 1
+    assert "when it repacks weights" in data["context_note"]
+    # nothing avoids it: the crash is the answer, exit 2
+    engine.crash_when = lambda s: True
+    failed = CliRunner().invoke(cli, ["bench", str(models["q8_0"]), "-p", "16", "-n", "8", "-r", "1", "--json"])
+    assert failed.exit_code == 2 and "crash" in failed.output

@@ -118,7 +118,7 @@ def describe(off: Sequence[str], cpu: CpuFeatures | None = None) -> str:
         text = feature.doing
         if name == "repack" and cpu is not None and cpu.amx:
             text = f"when it repacks weights for AMX (a known llama.cpp fault: {AMX_FAULT})"
-        elif name == "repack":
+        elif name == "repack" and cpu is not None and cpu.repack:
             text = "when it repacks weights into its CPU_REPACK buffer"
         doing.append(text)
     where = "on this CPU" if list(off) == ["repack"] else "on this machine"
