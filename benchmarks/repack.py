@@ -4,7 +4,8 @@ The demo model in Q4_0 and Q4_K_M (both repacked into CPU_REPACK on an AVX2 CPU;
 features decide), each loaded twice in one worker (``repack`` on and off) and measured side by side in
 rotating rounds (``TrialRunner.run_paired``), so both see the same seconds of a shared machine. Prints
 each speed's median, the per-round ratio on / off (median and range), and per load the model buffers
-llama.cpp printed next to ``tuner.model.estimate``'s prediction (with mmap, as the trials load).
+llama.cpp printed next to ``tuner.model.estimate``'s prediction (with mmap, as the trials load; each
+setting loaded alone for that, since a paired run's log holds both loads).
 
     python benchmarks/repack.py [--rounds 6] [--threads 2]
 """
@@ -57,7 +58,9 @@ def main() -> int:
                     print(f"{path.name} {kind}: repack on {statistics.median(a):.1f} t/s, off {statistics.median(b):.1f} t/s; "
                           f"per-round ratio on/off median {statistics.median(ratios):.3f} (range {ratios[0]:.3f}-"
                           f"{ratios[-1]:.3f}, {len(ratios)} rounds)")
-                for result, s in ((on, pair[0]), (off, pair[1])):
+                # the buffers of each load alone (a paired run's log holds both loads)
+                for s in pair:
+                    result = runner.run(s, BenchSpec(n_prompt=16, n_gen=4, repetitions=1))
                     predicted = estimate(info, s, devices=[], cpu=cpu).buffers[CPU]
                     real = result.load.model_buffers
                     shown = ", ".join(f"{name} {real.get(name, 0) / MiB:.2f} vs {size / MiB:.2f} MiB "

@@ -424,7 +424,6 @@ def diagnose(
 
     repack_crash = _repack_crash(text, report)
     if repack_crash is not None:
-        notes.append(repack_crash.explanation)
         return Diagnosis(what, memory, (repack_crash,), summary + "; then llama.cpp crashed after repacking weights",
                          None, tuple(notes), capacity)
     if cpu_fallback:
