@@ -31,7 +31,7 @@ FAR = Settings(
     model_path="/m/model.gguf", n_gpu_layers=7, split_mode="row", main_gpu=1, tensor_split=(3.0, 1.0), n_ctx=8192,
     n_batch=1024, n_ubatch=256, n_threads=6, n_threads_batch=12, flash_attn="on", type_k="q8_0", type_v="q4_0",
     offload_kqv=False, swa_full=True, kv_unified=True, use_mmap=False, use_mlock=True, op_offload=False, tensor_overrides=(r"blk\.0\.ffn_up\.weight",),
-    n_cpu_moe=2,
+    n_cpu_moe=2, repack=False,
     rpc_servers=("10.0.0.2:50052",),
 )
 

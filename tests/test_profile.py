@@ -138,6 +138,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "op_offload": True,
         "tensor_overrides": [],
         "n_cpu_moe": 0,
+        "repack": True,
         "rpc_servers": [],
         **settings,
     }
@@ -241,6 +242,19 @@ def test_round_trip_keeps_every_key():
     assert profile.memory.actual["CUDA0"].total is None
     assert Profile.from_dict(profile.to_dict()) == profile
     profile.validate()
+
+
+def test_a_1_3_profile_loads_with_repacking_on_and_stays_1_3_until_it_is_off():
+    document = _before_1_4(profile_dict())
+    document["schema_version"] = "1.3"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        profile = Profile.from_dict(document)
+    assert profile.settings.repack is True  # llama.cpp's default, what a 1.3 profile was measured with
+    assert profile.to_dict() == json.loads(json.dumps(document))  # a 1.3 reader still accepts it
+    off = profile.replace(settings=profile.settings.replace(repack=False)).to_dict()
+    assert off["schema_version"] == "1.4" and off["settings"]["repack"] is False
+    assert Profile.from_dict(off).settings.repack is False
 
 
 def test_a_1_2_profile_loads_without_engine_and_is_written_back_as_1_2():
@@ -355,13 +369,21 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
 
 def test_newer_minor_without_unknown_keys_warns_too():
     document = profile_dict()
-    document["schema_version"] = "1.4"
-    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.4 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
+    document["schema_version"] = "1.5"
+    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.5 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
         Profile.from_dict(document)
 
 
+def _before_1_4(document: dict) -> dict:
+    """A document as 1.3 (and before) wrote it: without the repack setting 1.4 added."""
+    for settings in (document["settings"], (document.get("runner_up") or {}).get("settings", {})):
+        settings.pop("repack", None)
+    return document
+
+
 def _before_1_3(document: dict) -> dict:
-    """A document as 1.2 (and before) wrote it: without the engine and device list 1.3 added."""
+    """A document as 1.2 (and before) wrote it: without the engine and device list 1.3 added (nor 1.4's)."""
+    _before_1_4(document)
     document.pop("engine", None)
     document["machine"].pop("devices", None)
     return document

@@ -25,6 +25,9 @@ from .test_study import RPC, kwargs, machine
 GiB = 1 << 30
 
 
+from tuner.model.repack import CpuFeatures
+
+
 def _spaces(models) -> dict:
     one = (Device(RPC, 8 * GiB, 8 * GiB),)
     two = (Device("CUDA0", 8 * GiB, 8 * GiB), Device("CUDA1", 4 * GiB, 4 * GiB))
@@ -32,6 +35,8 @@ def _spaces(models) -> dict:
     common = dict(physical_cores=2, logical_cores=4, min_ctx=512, n_prompt=1024)
     return {
         "cpu": build_space([q8, q4], **common),
+        # an AVX2 CPU as llama.cpp reports it: it repacks the Q4_K_M variant's Q4_K weights
+        "cpu that repacks": build_space([q8, q4], cpu=CpuFeatures.of(["AVX2", "REPACK"]), **common),
         "one device": build_space([q8], devices=one, **common),
         "two devices": build_space([q8, q4], devices=two, **common),
         "moe": build_space([inspect(models["moe"])], devices=two, **common),

@@ -211,9 +211,16 @@ def test_interrupted_study_resumes_without_repeating_trials(models, tuner_home):
 def test_failures_are_recorded_and_never_scored(models):
     infos = {str(models["q8_0"]): inspect(models["q8_0"])}
     engine = ScriptedRunner(infos, fail=lambda s: Outcome.CRASH if s.type_k == "q4_0" else None)
-    result = tune(str(models["q8_0"]), trials=8, machine=machine(), engine=engine, **kwargs())
+    events = []
+    result = tune(str(models["q8_0"]), trials=8, machine=machine(), engine=engine, on_event=events.append, **kwargs())
     assert result.best["settings"]["type_k"] != "q4_0"
-    assert result.counts["failed"] == sum(1 for s in engine.launched[:-1] if s.type_k == "q4_0")
+    # the crash is a clue (tuner.search.crashes): its check runs are not trials; once the quantized
+    # cache is found to crash, no q4_0 cache is launched again
+    checks = sum(1 for e in events if e["kind"] == "crash_check")
+    learned = [e for e in events if e["kind"] == "crash_learned"]
+    assert learned and learned[0]["off"] == ["kv_cache_type"]
+    assert result.counts["failed"] == 1
+    assert result.counts["failed"] + checks - 1 == sum(1 for s in engine.launched if s.type_k == "q4_0")
 
 
 def test_nothing_runs_is_a_clear_error(models):

@@ -288,7 +288,7 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
     if spec is None:
         if n_gpu_layers is None:
             raise click.UsageError("give --n-gpu-layers, or a machine (--device NAME=SIZE, --machine FILE) to find the most layers that fit")
-        est = estimate(info, settings.replace(n_gpu_layers=n_gpu_layers), devices=names)
+        est = estimate(info, settings.replace(n_gpu_layers=n_gpu_layers), devices=names, cpu=_this_cpu())
         _emit(as_json, est.to_dict(), lambda: format_estimate(est))
         return
 
@@ -314,6 +314,15 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
         data["largest_quantization"] = largest[0] if largest else None
         lines += fit.answer_lines(info, spec, grid, largest, settings)
     _emit(as_json, data, lambda: "\n".join(lines))
+
+
+def _this_cpu() -> Any:
+    """This machine's CPU features as llama-cpp-python's llama.cpp reports them (which weights it
+    repacks); None when it cannot be asked."""
+    from ..machine.probe import probe_llama_build
+    from ..model.repack import CpuFeatures
+
+    return CpuFeatures.parse(probe_llama_build().system_info)
 
 
 def _compare_fit(info: Any, settings: Any, devices: str | None, llama_bin: str | None, as_json: bool) -> None:
@@ -384,7 +393,11 @@ def probe_cmd(rpc: str | None, engine: str | None, llama_bin: str | None, as_jso
     with open_engine(name, llama_bin=llama_bin) as chosen:
         machine = probe(rpc_servers=servers, engine=chosen)
     found = engines_found(llama_bin)
-    data = {**machine.to_dict(), "engines": found}
+    from ..model.repack import repack_risk
+
+    cpu = machine.cpu_features()
+    data = {**machine.to_dict(), "engines": found,
+            "cpu_features": sorted(cpu.flags) if cpu is not None else None, "repack": repack_risk(cpu)}
     _emit(as_json, data, lambda: format_machine(machine, found))
 
 
@@ -426,6 +439,12 @@ def format_machine(m: Any, engines: list[dict] | None = None) -> str:
             f"llama.cpp: llama-cpp-python {b.llama_cpp_python}, build {b.llama_cpp_build or 'not exposed'}, "
             f"backends {', '.join(b.backends) or 'cpu'}, GPU offload {'yes' if b.gpu_offload else 'no'}, RPC {'yes' if b.rpc else 'no'}"
         )
+    cpu = m.cpu_features() if hasattr(m, "cpu_features") else None
+    if cpu is not None:
+        from ..model.repack import repack_risk
+
+        lines.append(f"CPU features (llama.cpp): {', '.join(sorted(cpu.flags)) or 'none'}")
+        lines.append(f"Weight repacking: {repack_risk(cpu)}")
     if engines:
         lines.append("Engines:")
         for e in engines:
@@ -484,13 +503,28 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
     if repetitions < 1:
         raise click.BadParameter("at least 1", param_hint="--repetitions")
     bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
+    crash = None
     with open_engine(engine, llama_bin=llama_bin, timeout_s=timeout_s,
                      memory_limit=memory_limit_mib * MiB if memory_limit_mib else None) as runner:
         result = runner.run(settings, bench)
-        note = _context_note(runner, settings, bench) if runner.name == "llama-cpp" else None
+        if result.outcome.value == "crash":
+            # a crash is a clue: the same settings with optional features off, then measured as asked
+            crash = _avoid_crash(runner, settings, bench, as_json)
+            if crash is not None and crash[0].found:
+                first_log = result.log
+                result = runner.run(crash[1], bench)
+                result_log = first_log + "\n" + result.log
+            else:
+                result_log = result.log
+        else:
+            result_log = result.log
+        note = _context_note(runner, result.settings, bench) if runner.name == "llama-cpp" else None
     if log_path:
-        Path(log_path).write_text(result.log, encoding="utf-8")
+        Path(log_path).write_text(result_log, encoding="utf-8")
     data = result.to_dict()
+    if crash is not None:
+        data["crash_avoided"] = {**crash[0].to_dict(), "settings": crash[1].to_dict() if crash[0].found else None}
+        note = crash[0].message + (f"\nnote: {note}" if note else "")
     if note is not None:
         data["context_note"] = note
     _emit(as_json, data, lambda: format_result(result) + (f"\nnote: {note}" if note else ""))
@@ -499,6 +533,24 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
         click.echo(f"Error: the trial did not run to the end: {result.outcome.value}"
                    + (f" - {result.message}" if result.message else ""), err=True)
         sys.exit(2)
+
+
+def _avoid_crash(runner: Any, settings: Any, bench: Any, quiet: bool) -> Any:
+    """``bench``'s crash search (``tuner.search.crashes``): (the finding, the settings that run)."""
+    from ..machine.probe import probe_llama_build
+    from ..model.repack import CpuFeatures
+    from ..search.crashes import check_bench, investigate, without
+
+    cpu = CpuFeatures.parse(probe_llama_build().system_info) if runner.name == "python" else None
+    if not quiet:
+        click.echo("llama.cpp crashed: running the same settings with optional features off", err=True)
+
+    def said(off: tuple[str, ...], result: Any) -> None:
+        if not quiet:
+            click.echo(f"  crash check with {', '.join(off)} off -> {result.outcome.value}", err=True)
+
+    finding = investigate(settings, lambda c: runner.run(c, check_bench(bench)), cpu=cpu, on_run=said)
+    return finding, without(settings, finding.off)
 
 
 def _context_note(engine: Any, settings: Any, bench: Any) -> str:
@@ -642,6 +694,15 @@ class _Progress:
             out("interrupted: the running trial was stopped; writing the best profile so far")
         elif kind == "exhausted":
             out("every candidate the search proposes has been tried: stopping early")
+        elif kind == "crash_search":
+            out(f"      {e['message']}")
+        elif kind == "crash_check":
+            off = ", ".join(e["off"])
+            out(f"      crash check with {off} off -> {e['outcome']}")
+        elif kind == "crash_learned":
+            out(f"{e['message']} [{e['runs']} check run(s)]")
+        elif kind == "crash_avoided":
+            pass  # said once, when it was learned
 
 
 @cli.command("tune")

@@ -456,6 +456,14 @@ def _n_cpu_moe_params(value: Any, facts: Facts, chosen: Mapping[str, Any]) -> di
     return {"n_cpu_moe": max(0, min(int(value) - first, _offloaded(facts, chosen)))}
 
 
+def _cpu_holds_weights(facts: Facts, chosen: Mapping[str, Any]) -> bool:
+    """Whether the CPU holds repeating-layer or output weights: every layer without a device, some
+    layers when not all are offloaded, or tensors kept there by overrides (n_cpu_moe included)."""
+    ngl = offloaded_layers(int(chosen.get("n_gpu_layers", 0)), facts.n_layer)
+    return (not facts.devices or ngl < facts.n_layer + 1 or bool(chosen.get("tensor_overrides"))
+            or bool(chosen.get("n_cpu_moe")))
+
+
 def _supported(name: str) -> Callable[[Facts], bool]:
     return lambda facts: facts.supported is None or name in facts.supported
 
@@ -769,6 +777,29 @@ DIMENSIONS: tuple[Dimension, ...] = (
                                          else "the engine cannot set it: the experts_cpu placement stands in"),
                       ask=_ask_n_cpu_moe, params=_n_cpu_moe_params, fixed=lambda f, c: 0, depends_on=("n_gpu_layers",),
                       when="repeating layers are offloaded; counted from the first of them"),
+    ),
+    Dimension(
+        "repack", "bool", True,
+        model_level=True,
+        option=Option(("--no-repack",), "Load without weight repacking (llama.cpp's extra CPU buffers: AMX, CPU_REPACK).",
+                      switch=False),
+        no_kwarg="llama_cpp.Llama has no keyword: tuner.Llama sets llama_model_params.use_extra_bufts around the load",
+        # include/llama.h: "bool use_extra_bufts; // use extra buffer types (used for weight repacking)",
+        # true in llama_model_default_params()
+        c_api=CField("model", "use_extra_bufts", lambda s: s.repack),
+        # common/arg.cpp: {"--repack"}, {"-nr", "--no-repack"}, set_env("LLAMA_ARG_REPACK");
+        # llama-bench.cpp: "--repack <0|1>"
+        flags={**_server_cli(_switch(["--no-repack"], False, "repack")), "llama-bench": _switch(["--repack", "0"], False, "repack")},
+        env=Env("LLAMA_ARG_REPACK", "0"),
+        ollama=Ollama(165, note=lambda s, e: "repack false (no weight repacking): no ollama parameter; "
+                      "ollama's own llama.cpp decides its CPU buffers" if not s.repack else None),
+        # only where it changes what llama.cpp loads: weights of a type this CPU repacks, held by the CPU
+        search=Search(applies=lambda f, c: (len(f.domain("repack")) > 1 and _cpu_holds_weights(f, c)
+                                            and c.get("model_path") in f.domain("repack_variants")),
+                      why_not=lambda f: "no weight of this model is of a type this CPU repacks",
+                      fixed=lambda f, c: f.domain("repack")[0] if f.domain("repack") else True,
+                      depends_on=("model_path", "n_gpu_layers", "tensor_overrides", "n_cpu_moe"),
+                      when="layers or tensors of a variant this CPU repacks are on the CPU"),
     ),
     Dimension(
         "rpc_servers", "endpoints", (),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Sequence
 
 from ..model.estimate import CPU, estimate
+from ..model.repack import CpuFeatures
 from .logparse import LoadReport
 from ..model.inspect import ModelInfo
 from .outcome import Outcome
@@ -46,6 +47,8 @@ class ScriptedRunner(Engine):
         speed: Callable[[Settings], tuple[float, float]] = default_speed,
         fail: Callable[[Settings], Outcome | None] | None = None,
         interrupt_after: int | None = None,
+        crash_when: Callable[[Settings], bool] | None = None,
+        cpu: "CpuFeatures | None" = None,
     ) -> None:
         self.models = dict(models)
         self.devices_named = tuple(devices)
@@ -53,6 +56,10 @@ class ScriptedRunner(Engine):
         self.speed = speed
         self.fail = fail
         self.interrupt_after = interrupt_after
+        # a candidate it crashes on as llama.cpp does (killed by SIGSEGV after the load; e.g. with
+        # repacking on, as on AMX CPUs), and the CPU features its memory arithmetic repacks for
+        self.crash_when = crash_when
+        self.cpu = cpu
         self.launched: list[Settings] = []
 
     def close(self) -> None:
@@ -116,9 +123,9 @@ class ScriptedRunner(Engine):
             return TrialResult(c.outcome, c.message, settings, bench)
         self.launched.append(settings)
         info = self.models[settings.model_path]
-        est = estimate(info, settings, devices=list(self.devices_named))
+        est = estimate(info, settings, devices=list(self.devices_named), cpu=self.cpu)
         report = dict(layers_offloaded=est.layers_offloaded, layers_total=info.n_layer + 1,
-                      model_buffers={d: m.weights for d, m in est.devices.items() if m.weights},
+                      model_buffers={b: size for held in est.buffers.values() for b, size in held.items() if size},
                       kv_buffers={d: m.kv for d, m in est.devices.items() if m.kv},
                       compute_buffers={d: m.compute for d, m in est.devices.items() if m.compute},
                       n_ctx=est.n_ctx, type_k=settings.type_k, type_v=settings.type_v)
@@ -130,6 +137,13 @@ class ScriptedRunner(Engine):
                 load = LoadReport(oom=True, errors=(line, "llama_model_load: error loading model: unable to allocate buffer"),
                                   **{k: v for k, v in report.items() if k in ("layers_offloaded", "layers_total")})
                 return TrialResult(Outcome.OOM, f"out of memory: {line}", settings, bench, load=load)
+        if self.crash_when is not None and self.crash_when(settings):
+            import signal
+
+            line = "ggml_compute_forward_mul_mat: scripted fault in a matrix kernel"
+            c = classify(returncode=-int(signal.SIGSEGV), error_lines=(line,))
+            load = LoadReport(errors=(line,), **{k: v for k, v in report.items() if k in ("layers_offloaded", "layers_total", "model_buffers")})
+            return TrialResult(c.outcome, c.message, settings, bench, load=load, signal=c.signal_name, returncode=-int(signal.SIGSEGV))
         if forced is not None and forced is not Outcome.OK:
             return TrialResult(forced, f"scripted {forced.value}", settings, bench, load=LoadReport())
         pp, tg = self.speed(settings)

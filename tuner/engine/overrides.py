@@ -1,4 +1,5 @@
-"""Tensor overrides for llama-cpp-python's high-level ``Llama``, which has no keyword for them.
+"""Tensor overrides and weight repacking for llama-cpp-python's high-level ``Llama``, which has no
+keyword for them.
 
 llama.cpp takes them in ``llama_model_params.tensor_buft_overrides`` (what ``-ot PATTERN=CPU``
 sets). ``Llama`` builds its own params and calls ``llama_model_load_from_file`` inside its
@@ -6,6 +7,12 @@ constructor, so for the duration of the ``with`` block this wraps that call and 
 
     with tensor_overrides_applied([r"blk\\.[0-3]\\.ffn_.*"]):
         llm = llama_cpp.Llama(model_path, n_gpu_layers=99)
+
+``repack=False`` likewise clears ``llama_model_params.use_extra_bufts`` (llama.cpp's weight
+repacking into the AMX / CPU_REPACK buffers; what ``--no-repack`` sets):
+
+    with tensor_overrides_applied((), repack=False):
+        llm = llama_cpp.Llama(model_path)
 
 The override array stays referenced for the life of the process: llama.cpp reads it while loading
 and the wrapper cannot know when a model is freed.
@@ -30,7 +37,7 @@ _LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def tensor_overrides_applied(patterns: Sequence[str]) -> Iterator[None]:
+def tensor_overrides_applied(patterns: Sequence[str], *, repack: bool = True) -> Iterator[None]:
     from llama_cpp import _internals
 
     from .ggml import OverrideArray
@@ -39,9 +46,12 @@ def tensor_overrides_applied(patterns: Sequence[str]) -> Iterator[None]:
     original = module.llama_model_load_from_file
 
     def load_with_overrides(path: bytes, params: Any) -> Any:
-        overrides = OverrideArray(tuple(patterns), os.fsdecode(path))
-        _KEEP.append(overrides)
-        params.tensor_buft_overrides = overrides.address
+        if patterns:
+            overrides = OverrideArray(tuple(patterns), os.fsdecode(path))
+            _KEEP.append(overrides)
+            params.tensor_buft_overrides = overrides.address
+        if not repack:
+            params.use_extra_bufts = False
         return original(path, params)
 
     with _LOCK:

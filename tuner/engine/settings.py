@@ -68,6 +68,7 @@ class Settings:
     op_offload: bool = True
     tensor_overrides: tuple[str, ...] = ()
     n_cpu_moe: int = 0
+    repack: bool = True
     rpc_servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

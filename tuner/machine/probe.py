@@ -22,9 +22,12 @@ import platform
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import TunerError
+
+if TYPE_CHECKING:
+    from ..model.repack import CpuFeatures
 
 GiB = 1 << 30
 
@@ -76,6 +79,14 @@ class Machine:
     # CPU included; empty when no engine was asked (probe(llama=False)) or in an injected Machine.
     devices: tuple[dict, ...] = ()
     engine: dict | None = None  # the engine's EngineBuild.to_dict(), where one was asked
+
+    def cpu_features(self) -> "CpuFeatures | None":
+        """The CPU backend's features as llama.cpp reports them (``llama_print_system_info``: AVX2,
+        AMX_INT8, REPACK...); None when no llama.cpp was asked. They decide which weights llama.cpp
+        repacks (``tuner.model.repack``)."""
+        from ..model.repack import CpuFeatures
+
+        return CpuFeatures.parse(self.llama.system_info)
 
     def accelerators(self) -> list[dict]:
         """The devices llama.cpp can offload to (GPUs, integrated GPUs, RPC servers), as it names them."""

@@ -24,7 +24,19 @@ Each setting the arithmetic reads: ``n_gpu_layers`` (every layer: ``special.offl
 ``tensor_split``, ``n_ctx`` (0: ``special.context_tokens``), ``n_ubatch``, ``flash_attn``
 (``special.flash_attn_forms``), ``type_k``, ``type_v``, ``offload_kqv``, ``swa_full`` (a
 sliding-window layer holds ``min(n_ctx, n_swa + n_ubatch)`` cells unless it is set), ``host_overrides``,
-``split_mode`` and ``main_gpu``. The others (batch, threads, mmap/mlock, op_offload) change no buffer llama.cpp allocates.
+``split_mode``, ``main_gpu``, ``use_mmap`` and ``repack``. The others (batch, threads, mlock, op_offload)
+change no buffer llama.cpp allocates.
+
+The host's weights are llama.cpp's buffers (``MemoryEstimate.buffers``; ``tuner.model.repack`` says which
+weights go where on which CPU): with ``repack`` on, the weights of a type this CPU repacks go to an extra
+buffer (``AMX``, ``CPU_REPACK``, at their repacked size); the rest is ``CPU_Mapped`` with mmap, the span of
+the file from the first of them to the end of the last (src/llama-model-loader.cpp ``get_mapping_range``:
+a repacked weight inside that span is mapped too, and copied), or ``CPU`` without mmap, each tensor padded
+to 32 bytes. So with mmap the host holds the mapped file **and** the repacked copy. The host's
+``weights`` are its own tensors, the repacked copies and, with mmap, the file's pages of the repacked
+tensors (the mapped span can also cover offloaded tensors' pages, read once to upload them and not
+counted). The CPU's features
+come from llama.cpp (``cpu=``, a ``CpuFeatures``); without them nothing is repacked.
 
 Compute buffers are llama.cpp's graph allocator peaks; we model them from the largest live
 intermediates (attention scores or flash-attention tiles, FFN activations, logits), calibrated
@@ -41,6 +53,7 @@ from typing import Any, Collection, Mapping, Sequence
 from ..errors import SettingsError
 from ..limits import tensor_regex
 from .inspect import KV_TYPE_BLOCKS, ModelInfo, tensor_role
+from .repack import CpuFeatures, extra_buffer, extra_size, takes_host_weights
 from .special import context_tokens, flash_attn_forms, offloaded_layers
 
 CPU = "CPU"
@@ -86,6 +99,8 @@ class MemoryEstimate:
     n_ctx: int  # after llama.cpp's padding
     kv_type: tuple[str, str]
     notes: tuple[str, ...] = ()
+    # device -> llama.cpp's model buffers there, by the name its load log prints (CPU_Mapped, CPU_REPACK...)
+    buffers: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def layers_offloaded(self) -> int:
@@ -111,6 +126,7 @@ class MemoryEstimate:
             "type_k": self.kv_type[0],
             "type_v": self.kv_type[1],
             "notes": list(self.notes),
+            "buffers": {d: dict(b) for d, b in self.buffers.items()},
         }
 
 
@@ -229,11 +245,13 @@ def moved_stage_buffer(model: ModelInfo, *, n_ubatch: int, stages: Collection[st
     return max(peaks)
 
 
-def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None = None) -> MemoryEstimate:
+def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None = None,
+             cpu: CpuFeatures | None = None) -> MemoryEstimate:
     """Bytes per device (``CPU`` plus each accelerator) for one candidate ``settings`` (a ``tuner.Settings``).
 
     ``devices`` are the accelerator names as llama.cpp prints them (``CUDA0``, ``RPC0[host:port]``);
     the default is one device ``GPU0``, or ``GPU0..GPUn-1`` for an n-way ``tensor_split``.
+    ``cpu``: the CPU backend's features as llama.cpp reports them, which decide the repacked weights.
     """
     n_gpu_layers = settings.n_gpu_layers
     tensor_split = settings.tensor_split
@@ -270,6 +288,12 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     # each backend holds weights of decides the ops it runs, so its compute buffer.
     stages_on: dict[str, set[str]] = {d: set() for d in [CPU, *devices]}
     moved_to_host: set[str] = set()
+    # the host's weights: repacked into an extra buffer (repack on, a type this CPU repacks, no
+    # accelerator's pinned host buffer taking them first), or in the mapped file / CPU buffer
+    repack_on = bool(getattr(settings, "repack", True)) and cpu is not None and not takes_host_weights(devices)
+    extra: dict[str, int] = {}
+    on_host: list[Any] = []
+    repacked_in_file = 0
     block = re.compile(r"^blk\.(\d+)\.")
     for tensor in model.tensors:
         m = block.match(tensor.name)
@@ -286,7 +310,15 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
                 moved_to_host.add(stage)
         if stage:
             stages_on[device].add(stage)
-        weights[device] += tensor.n_bytes
+        if device == CPU:
+            buffer = extra_buffer(tensor.name, tensor.type, tensor.shape, cpu) if repack_on else None
+            if buffer:
+                extra[buffer] = extra.get(buffer, 0) + pad(extra_size(buffer, tensor.type, tensor.shape, tensor.n_bytes), 32)
+                repacked_in_file += tensor.n_bytes
+            else:
+                on_host.append(tensor)
+        else:
+            weights[device] += tensor.n_bytes
         if tensor.name.startswith("token_embd.") and model.tied_output:
             # the output head is a copy of the token embedding, loaded with the output layer
             # when that layer is offloaded (on the host the one copy serves both)
@@ -295,6 +327,16 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
                 weights[output_device] += tensor.n_bytes
     for il in range(n_layer):
         layers[placement[il]] += 1
+    host_buffer = _host_weights(on_host, getattr(settings, "use_mmap", True))
+    # what the host holds: its own tensors and every repacked copy; with mmap also the file's pages of
+    # the repacked tensors (mapped, and read to repack them). The mapped span's other pages belong to
+    # offloaded tensors, read once to upload them, and are not counted.
+    weights[CPU] = sum(t.n_bytes for t in on_host) + sum(extra.values())
+    if getattr(settings, "use_mmap", True):
+        weights[CPU] += repacked_in_file
+    buffers: dict[str, dict[str, int]] = {CPU: {("CPU_Mapped" if getattr(settings, "use_mmap", True) else "CPU"): host_buffer,
+                                               **extra}}
+    buffers.update({d: {d: weights[d]} for d in devices if weights[d]})
 
     # KV cache, per layer, padded cells. A sliding-window layer's cache holds the window and a
     # micro-batch (llama_kv_cache_iswa: min(n_ctx, n_swa + n_ubatch), padded), or all of n_ctx
@@ -353,6 +395,9 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
             compute[device] = 0
 
     notes = []
+    for buffer, size in extra.items():
+        notes.append(f"{buffer}: {size / MiB:.2f} MiB of weights repacked for this CPU ({cpu.describe() if cpu else ''}), "
+                     + ("on top of the mapped file" if getattr(settings, "use_mmap", True) else "beside the CPU buffer"))
     if patterns:
         notes.append(f"{len(patterns)} tensor override pattern(s) keep matching tensors on the host")
     if not offload_kqv:
@@ -369,7 +414,26 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
         n_ctx=cells,
         kv_type=(type_k, type_v),
         notes=tuple(notes),
+        buffers=buffers,
     )
+
+
+def _host_weights(tensors: Sequence[Any], use_mmap: bool) -> int:
+    """The host's plain weight buffer: with mmap, per file, the span from the first of these tensors to
+    the end of the last (llama_model_loader::get_mapping_range); without, each tensor padded to 32 bytes
+    (ggml_backend_alloc_ctx_tensors_from_buft). Tensors of unknown offset count their own bytes."""
+    if not use_mmap:
+        return sum(pad(t.n_bytes, 32) for t in tensors)
+    spans: dict[int, list[int]] = {}
+    loose = 0
+    for t in tensors:
+        offset = getattr(t, "offset", -1)
+        if offset < 0:
+            loose += t.n_bytes
+            continue
+        span = spans.setdefault(getattr(t, "part", 0), [offset, offset + t.n_bytes])
+        span[0], span[1] = min(span[0], offset), max(span[1], offset + t.n_bytes)
+    return loose + sum(last - first for first, last in spans.values())
 
 
 def max_gpu_layers(
@@ -409,5 +473,9 @@ def format_estimate(est: MemoryEstimate) -> str:
         lines.append(
             f"  {name:<24} {mem.weights / MiB:>10.2f} {mem.kv / MiB:>10.2f} {mem.compute / MiB:>10.2f} {mem.total / MiB:>10.2f}"
         )
+    for name, held in est.buffers.items():
+        if len(held) > 1 or any(b != name for b in held):
+            parts = " + ".join(f"{b} {size / MiB:.2f}" for b, size in held.items() if size or b.startswith("CPU"))
+            lines.append(f"  {name} model buffers (MiB, as llama.cpp's load log names them): {parts}")
     lines += [f"  note: {n}" for n in est.notes]
     return "\n".join(lines)

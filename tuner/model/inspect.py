@@ -71,6 +71,8 @@ class TensorInfo:
     shape: tuple[int, ...]  # ggml order (ne0 first)
     n_bytes: int
     n_elements: int
+    offset: int = -1  # where its data starts in its file (bytes from the file's start); -1: not known
+    part: int = 0  # which file of a split model holds it
 
 
 @dataclass(frozen=True)
@@ -249,8 +251,8 @@ def _model_info(path: str, parts: list[tuple[Any, dict]], fetched: dict | None =
     arch = str(arch)
 
     tensors: list[TensorInfo] = []
-    for source, header in parts:
-        tensors.extend(_tensors(source, header))
+    for index, (source, header) in enumerate(parts):
+        tensors.extend(_tensors(source, header, index))
     file_size = sum(header["size"] for _, header in parts)
     if not tensors:
         raise EmptyModelError(first, "the GGUF holds no tensors (a vocabulary-only or metadata-only file?); it cannot be run")
@@ -409,7 +411,7 @@ class _Hyper:
             self.bad("embedding_length", n_embd, f"the width of token_embd.weight ({embd.shape[0]})")
 
 
-def _tensors(source: Any, header: dict) -> list[TensorInfo]:
+def _tensors(source: Any, header: dict, part: int = 0) -> list[TensorInfo]:
     """The tensors of one part; every tensor's bytes must lie inside the file (a cut download
     fails here, by name). For a URL the file's size is the server's, not what was fetched."""
     import gguf
@@ -431,7 +433,8 @@ def _tensors(source: Any, header: dict) -> list[TensorInfo]:
             raise TruncatedGGUFError(
                 source, f"truncated GGUF: tensor {name} ends at byte {end} but the file has {size} bytes; re-download or re-convert it"
             )
-        out.append(TensorInfo(name=name, type=qtype.name, shape=tuple(int(d) for d in dims), n_bytes=n_bytes, n_elements=n))
+        out.append(TensorInfo(name=name, type=qtype.name, shape=tuple(int(d) for d in dims), n_bytes=n_bytes, n_elements=n,
+                              offset=header["data_offset"] + offset, part=part))
     return out
 
 

@@ -623,10 +623,11 @@ def Llama(
     settings = profile.settings
     _check_overrides(settings, overrides)
     applied: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if settings.host_overrides:  # tensor_overrides, and n_cpu_moe's per-layer patterns
+    repack = overrides.pop("repack", settings.repack)
+    if settings.host_overrides or not repack:  # tensor_overrides, n_cpu_moe's per-layer patterns, repack off
         from ..engine.overrides import tensor_overrides_applied
 
-        applied = tensor_overrides_applied(settings.host_overrides)
+        applied = tensor_overrides_applied(settings.host_overrides, repack=bool(repack))
     if settings.rpc_servers:
         from ..engine.rpc import register_servers
 
@@ -643,6 +644,10 @@ def Llama(
             f"{os.fspath(model_path)!r}: llama-cpp-python's Llama cannot open a file whose name is not UTF-8; "
             "rename the file, or link to it under a UTF-8 name"
         ) from None
+    if repack:
+        message = repack_warning(profile, _llama_system_info(llama_cpp), machine)
+        if message:
+            warnings.warn(message, ProfileWarning, stacklevel=2)
     kwargs = {**profile.llama_kwargs(model_path), **overrides, "verbose": verbose}
     if kwargs.get("n_gpu_layers") and not llama_cpp.llama_supports_gpu_offload():
         message = (
@@ -657,10 +662,37 @@ def Llama(
         return llama_cpp.Llama(**kwargs)
 
 
+def _llama_system_info(llama_cpp: Any) -> str | None:
+    """llama.cpp's ``llama_print_system_info`` (the CPU features its CPU backend was built for)."""
+    read = getattr(llama_cpp, "llama_print_system_info", None)
+    if read is None:
+        return None
+    info = read()
+    return info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+
+
+def repack_warning(profile: Profile, system_info: str | None, machine: "Machine | None" = None) -> str | None:
+    """A warning for a profile that leaves weight repacking on where llama.cpp repacks into AMX (this
+    CPU's features as llama.cpp reports them, ``system_info``) and was not measured on this machine:
+    llama.cpp is known to crash at the first decode there (ggml-org/llama.cpp#20824). None otherwise."""
+    from ..model.repack import CpuFeatures
+
+    cpu = CpuFeatures.parse(system_info)
+    if cpu is None or not cpu.amx or not profile.settings.repack:
+        return None
+    here = machine if machine is not None else this_machine()
+    if profile.machine.fingerprint == here.fingerprint():
+        return None  # measured here with repacking on: it ran
+    return (f"profile {profile.name} loads with weight repacking on, and this CPU has AMX (llama.cpp: AMX_INT8 = 1): "
+            "llama.cpp repacks the CPU's weights into an AMX buffer and is known to crash at the first decode on some "
+            "of these machines (ggml-org/llama.cpp#20824). If it does, load with repack=False "
+            "(tuner.Llama(model, repack=False); llama-server --no-repack), or tune here: `offload-tuner tune` finds it")
+
+
 # Llama keywords that are Settings fields of the same name and type: checked as the profile's own
 # values are (tuner.limits), so Llama(model, n_ctx=2**62) is one clear error, not a crash in ctypes.
 _SAME_AS_SETTINGS = ("n_gpu_layers", "main_gpu", "n_ctx", "n_batch", "n_ubatch", "n_threads", "n_threads_batch",
-                     "tensor_split", "offload_kqv", "use_mmap", "use_mlock", "op_offload")
+                     "tensor_split", "offload_kqv", "use_mmap", "use_mlock", "op_offload", "repack")
 
 
 def _check_overrides(settings: Any, overrides: dict[str, Any]) -> None:
@@ -674,4 +706,5 @@ def _check_overrides(settings: Any, overrides: dict[str, Any]) -> None:
         raise SettingsError(name, f"{str(exc)[len(exc.field) + 2:]} (tuner.Llama's keyword {name.split('[')[0]})") from None
 
 
-__all__ = ["load_profile", "check_profile", "this_machine", "model_mismatch", "Llama", "DEFAULT_MARGIN_BYTES"]
+__all__ = ["load_profile", "check_profile", "this_machine", "model_mismatch", "Llama", "DEFAULT_MARGIN_BYTES",
+           "repack_warning"]

@@ -13,13 +13,13 @@ newer minor version of the same major loads with a ``SchemaVersionWarning``; the
 know are ignored, at any depth, and the warning names them. In the current or an older minor version an
 unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
 
-The document (schema 1.3); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
+The document (schema 1.4); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
 ``quality_budget``; a 1.0 document (without them) loads as it always did:
 
 =============================  ===============================================================================
 key                            meaning
 =============================  ===============================================================================
-``schema_version``             ``"1.3"``
+``schema_version``             ``"1.4"``
 ``tool_version``               the offload-tuner version that wrote it
 ``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
 ``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
@@ -71,7 +71,9 @@ model's sliding window and training context to ``sizing``. A 1.0 or 1.1 profile 
 values it was measured with: ``swa_full`` true, the C API default the python engine ran then (its
 memory arithmetic is then the same with or without a window, so the sizing it lacks is not needed);
 ``n_cpu_moe`` 0 and ``kv_unified`` false. 1.3 added ``engine`` and ``machine.devices`` (an older profile
-reads with ``engine`` null: it was measured by the python engine, and no device list).
+reads with ``engine`` null: it was measured by the python engine, and no device list). 1.4 added
+``settings.repack`` (llama.cpp's weight repacking, ``use_extra_bufts``; an older profile reads with it
+true, llama.cpp's default).
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -99,7 +101,7 @@ from .dburl import redact_url
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 ENGINES = ("python", "llama-cpp")
 BUNDLE_VERSION = "1.0"
 OBJECTIVES = ("tg", "pp", "mixed")
@@ -493,9 +495,18 @@ class Profile:
         # 1.2's settings only in a 1.2 (or later) document, and 1.1's keys only in a 1.1 one: an older
         # profile written again stays one an older reader accepts (it refuses keys it does not know in
         # its own version). Left out, a setting reads back as the value that version implies.
-        if _major_minor(self.schema_version) < (1, 2):
+        # 1.4 added repack: an older document reads as llama.cpp's default (repacking on), so one with
+        # repacking off can only be said in 1.4 (then with every key of the versions before it)
+        blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
+        if _major_minor(out["schema_version"]) < (1, 4):
+            if all(block.get("repack", True) is True for block in blocks):
+                for block in blocks:
+                    block.pop("repack", None)
+            else:
+                out["schema_version"] = "1.4"
+        if _major_minor(out["schema_version"]) < (1, 2):
             _older_settings(out)
-        if _major_minor(self.schema_version) >= (1, 1):
+        if _major_minor(out["schema_version"]) >= (1, 1):
             out["quality"] = None if self.quality is None else _quality_dict(self.quality)
             out["quality_budget"] = None if self.quality_budget is None else _asdict(self.quality_budget)
         # 1.3's engine and device list likewise: left out of an older document that has none (it reads

@@ -468,6 +468,10 @@ def diagnose(
                 capacity[d] = gpu.memory_free
                 notes.append(f"{d} is this machine's {gpu.name} (NVML): {gib(gpu.memory_free)} free now")
 
+    repack_crash = _repack_crash(text, report)
+    if repack_crash is not None:
+        return Diagnosis(what, memory, (repack_crash,), summary + "; then llama.cpp crashed after repacking weights",
+                         None, tuple(notes), capacity)
     if cpu_fallback:
         levers = [Lever(
             "a working GPU backend", "rebuild llama.cpp / llama-cpp-python for the GPU (CMAKE_ARGS, see the README), "
@@ -497,6 +501,48 @@ def diagnose(
         return Diagnosis(what, memory, (), summary, None, tuple(notes), capacity)
     levers = _levers(sizer, report, facts, accelerators, capacity, margin, gpus, here, notes)
     return Diagnosis(what, memory, tuple(levers), summary, sizer.kind, tuple(notes), capacity)
+
+
+# How a crash ends a log: the shell's report of the signal, ggml's abort, a backtrace
+# (ggml/src/ggml.c ggml_abort: "%s:%d: %s" after "GGML_ASSERT(...) failed"; ggml_print_backtrace),
+# Python's faulthandler ("Fatal Python error: Segmentation fault")
+_CRASH_RE = re.compile(r"Segmentation fault|SIGSEGV|signal 11\b|Aborted|core dumped|GGML_ASSERT\(.*\) failed|"
+                       r"ggml_abort|Illegal instruction|SIGILL|Fatal Python error|exit status 0xc0000005|"
+                       r"exit code -1073741819|signal: segmentation fault")
+# What a log prints once the model is loaded and before (or at) the first decode: the context's own
+# lines, the warm-up (common.cpp "warming up the model with an empty run"), llama-bench's first row
+_AFTER_LOAD_RE = re.compile(r"llama_context:|llama_init_from_model|warming up the model|common_init_from_params|"
+                            r"sched_reserve|llama_kv_cache|load_model|main: ")
+_REPACK_LABELS = ("AMX", "CPU_REPACK", "CPU_AARCH64")
+# "load_tensors: %12s model buffer size = %8.2f MiB" (src/llama-model.cpp)
+_REPACK_BUFFER_RE = re.compile(r"\b(AMX|CPU_REPACK|CPU_AARCH64) model buffer size\s*=")
+
+
+def _repack_crash(text: str, report: LoadReport) -> Lever | None:
+    """The lever for a log where llama.cpp repacked weights (an ``AMX`` or ``CPU_REPACK`` model buffer)
+    and then crashed at the first decode or the warm-up, before any timing: ``--no-repack``."""
+    labels = [label for label in report.model_buffers if label in _REPACK_LABELS]
+    buffer = _REPACK_BUFFER_RE.search(text)
+    if not labels and buffer is None:
+        return None
+    after = text[buffer.end():] if buffer is not None else text
+    crash = _CRASH_RE.search(after)
+    if crash is None or report.eval_tps is not None:
+        return None  # it ran (timings printed), or the log does not show it ending in a crash
+    label = labels[0] if labels else buffer.group(1) if buffer is not None else "CPU_REPACK"
+    amx = label == "AMX" or "AMX_INT8 = 1" in text
+    where = "at the first decode" if _AFTER_LOAD_RE.search(after[: crash.start()]) else "right after loading"
+    fault = (" This is a known llama.cpp fault on CPUs with AMX (Sapphire, Emerald and Granite Rapids Xeons): "
+             "ggml-org/llama.cpp#20824.") if amx else ""
+    return Lever(
+        "weight repacking off",
+        "--no-repack (LLAMA_ARG_REPACK=0 for llama-server; llama-bench --repack 0; "
+        "llama_model_params.use_extra_bufts = false; repack: false in a profile)",
+        None, None,
+        f"llama.cpp repacked weights into its {label} buffer ({gib(report.model_buffers.get(label, 0))}) and then "
+        f"crashed {where} ({crash.group(0)}).{fault} Loading with repacking off keeps the weights in the plain "
+        "CPU buffer (or the mapped file), which runs; memory is not the problem. `offload-tuner tune` finds this "
+        "by itself and records repack: false in the profile.")
 
 
 def _local_gpus(local_gpus: Sequence[Any] | None | bool) -> Sequence[Any]:

@@ -17,6 +17,7 @@ from ..limits import tensor_regex
 from ..machine.probe import Machine
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import KV_TYPE_BLOCKS, ModelInfo
+from ..model.repack import CpuFeatures
 from .space import PLACEMENTS, Device, SearchSpace, devices_from, placement_patterns, rpc_devices_from
 
 MiB = 1 << 20
@@ -101,8 +102,9 @@ class Candidates:
     where the backend needs less than the default."""
 
     def __init__(self, models: Mapping[str, ModelInfo], devices: Sequence[Device], ram_available: int, margin: int,
-                 *, calibrate: bool = False, peak_names: Mapping[str, str] | None = None) -> None:
+                 *, calibrate: bool = False, peak_names: Mapping[str, str] | None = None, cpu: CpuFeatures | None = None) -> None:
         self.models = models
+        self.cpu = cpu  # llama.cpp's CPU features: which weights it repacks (an extra host buffer)
         self.devices = list(devices)
         self.margin = margin
         self.calibrate = calibrate
@@ -144,7 +146,7 @@ class Candidates:
         # memoized: the checks, the seeds and repairs ask about the same candidates more than once
         key = settings_key(s)
         if key not in self._estimates:
-            self._estimates[key] = estimate(self.models[s.model_path], s, devices=[d.name for d in self.devices])
+            self._estimates[key] = estimate(self.models[s.model_path], s, devices=[d.name for d in self.devices], cpu=self.cpu)
         return self._estimates[key]
 
     def check(self, s: Settings, est: MemoryEstimate) -> str | None:

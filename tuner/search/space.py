@@ -12,7 +12,8 @@ chosen before it (Optuna's define-by-run: a parameter absent from a trial is sim
   repeating layers are offloaded, counted from the first offloaded layer;
 - ``offload_kqv`` only when repeating layers are offloaded;
 - ``n_cpu_moe`` only for a mixture of experts with layers offloaded, counted the same way;
-- ``swa_full`` only for a model with sliding-window layers.
+- ``swa_full`` only for a model with sliding-window layers;
+- ``repack`` (llama.cpp's weight repacking) only where the CPU holds weights of a type it repacks.
 
 So no proposal is invalid by construction. The study's parameters are named like the ``Settings``
 fields (``n_ctx``, ``flash_attn``, ``type_k``, ``n_threads``, ``n_ubatch``, ``n_batch``, ``offload_kqv``,
@@ -44,6 +45,7 @@ from ..engine.dimensions import (
 )
 from ..engine.settings import Settings
 from ..model.inspect import ModelInfo
+from ..model.repack import CpuFeatures
 
 # the dimensions the search walks, in the table's order (a dimension may read those before it)
 SEARCHED: tuple[Dimension, ...] = tuple(d for d in DIMENSIONS if d.search is not None)
@@ -350,12 +352,15 @@ def build_space(
     rpc_servers: Sequence[str] = (),
     unified_memory: bool = False,
     supported: Collection[str] | None = None,
+    cpu: CpuFeatures | None = None,
 ) -> SearchSpace:
     """The search space for these variants of one model on this machine.
 
     ``supported`` names the settings the engine can set (None: all, as the python engine); a
     dimension it cannot set is left out (without ``n_cpu_moe``, the ``experts_cpu`` placement, the
-    same overrides spelled as regexes, stands in for it)."""
+    same overrides spelled as regexes, stands in for it). ``cpu``: llama.cpp's CPU features, which
+    decide whether weight repacking (``repack``) can matter: only for weights of a type this CPU
+    repacks, and only without an accelerator whose pinned host buffer takes the CPU's weights first."""
     first = models[0]
     supported_set = frozenset(supported) if supported is not None else None
     can = lambda name: supported_set is None or name in supported_set  # noqa: E731
@@ -405,6 +410,15 @@ def build_space(
             excluded["n_cpu_moe"] = "no GPU or RPC device: every expert is on the CPU already"
     if len(devices) < 2 and devices:
         excluded["tensor_split"] = "one device: nothing to split"
+    repack_why = _repack_why_not(models, devices, cpu)
+    if repack_why is None and can("repack"):
+        domains["repack"] = (True, False)
+        # the variants with weights this CPU repacks (another quantization may have none)
+        from ..model.repack import repackable
+
+        domains["repack_variants"] = tuple(m.path for m in models if repackable(m.tensors, cpu))
+    else:
+        excluded["repack"] = repack_why or "the engine cannot set it"
     if has_swa and can("swa_full"):
         domains["swa_full"] = (False, True)
     elif has_swa:
@@ -420,6 +434,20 @@ def build_space(
         excluded=excluded,
         rpc_servers=tuple(rpc_servers),
     )
+
+
+def _repack_why_not(models: Sequence[ModelInfo], devices: Sequence[Device], cpu: CpuFeatures | None) -> str | None:
+    """Why weight repacking cannot matter here, or None when it can."""
+    from ..model.repack import repackable, takes_host_weights
+
+    if cpu is None:
+        return "llama.cpp did not report this CPU's features, so which weights it repacks is not known"
+    if takes_host_weights(d.name for d in devices):
+        return "the GPU's pinned host buffer takes the CPU's weights before any repack buffer"
+    if not any(repackable(m.tensors, cpu) for m in models):
+        types = ", ".join(cpu.repacked_types()) or "none"
+        return f"no weight of this model is of a type this CPU repacks ({types})"
+    return None
 
 
 def devices_from(machine_devices: Sequence[Mapping[str, Any]]) -> list[Device]:

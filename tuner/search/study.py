@@ -11,6 +11,8 @@ the loop only; its collaborators do the rest:
 - ``candidates``: whether a candidate is worth a launch (the memory arithmetic against free memory,
   and what out-of-memory failures taught), and the seeds that open a study (llama.cpp's own fitter's
   answer among them, where the engine has one);
+- ``crashes``: a crash is a clue: the same candidate run with optional features off (weight repacking
+  first) until one runs; those features are launched off from then on, like an out-of-memory limit;
 - ``remeasure``: the leading candidates measured again side by side, and the winner picked;
 - ``quality`` and ``budget``: each variant's quality measured first (cached), the variants over a
   quality budget left out, a speed target's winner picked by quality, and the trade printed;
@@ -51,6 +53,7 @@ from ..paths import ensure_writable, studies_dir
 from ..profile.dburl import redact_url
 from ..profile.document import Profile, output_folder
 from .candidates import DEFAULT_MARGIN, Candidates, accelerator_devices, settings_key
+from .crashes import Crashes
 from .interrupt import CtrlC
 from .objective import OBJECTIVES, score
 from .budget import QualityBudget, median, rank_for_target, trade
@@ -266,6 +269,7 @@ class Tuner:
             logical_cores=self.machine.logical_cores, min_ctx=min_ctx, n_prompt=n_prompt, rpc_servers=self.rpc_servers,
             unified_memory=self.machine.unified_memory,
             supported=engine.supported_settings() if hasattr(engine, "supported_settings") else None,
+            cpu=self.machine.cpu_features(),
         )
         if space_overrides:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
@@ -276,7 +280,8 @@ class Tuner:
         peak_names = {f"CUDA{d['nvml_index']}": d["name"] for d in self.machine.devices
                       if isinstance(d, dict) and d.get("nvml_index") is not None and d.get("name")}
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, self.margin,
-                                     calibrate=self.calibrated, peak_names=peak_names)
+                                     calibrate=self.calibrated, peak_names=peak_names, cpu=self.machine.cpu_features())
+        self.crashes = Crashes(cpu=self.machine.cpu_features())
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
 
     def _measure_quality(self, reference: str | Path | None, corpus: str | Path | None, chunks: int,
@@ -397,6 +402,7 @@ class Tuner:
                 done.setdefault(key, t)
             if t.user_attrs.get("oom_device"):
                 self.candidates.remember_oom(t.user_attrs["oom_device"], int(t.user_attrs["oom_need"]))
+            self.crashes.remember(t.user_attrs.get("crash_avoided"))
             for device, extra in (t.user_attrs.get("beyond_estimate") or {}).items():
                 self.candidates.remember_usage(device, int(extra))
             if _measured(t):
@@ -455,6 +461,12 @@ class Tuner:
                     trial.set_user_attr("proposed", s.to_dict())
                     self.emit({"kind": "repaired", "number": trial.number, "proposed": s.to_dict(), "settings": repaired.to_dict()})
                     s = repaired
+                if self.crashes.off and self.crashes.avoid(s) != s:
+                    # a feature that crashed here is launched off (learned, like an out-of-memory limit)
+                    trial.set_user_attr("proposed", s.to_dict())
+                    s = self.crashes.avoid(s)
+                    self.emit({"kind": "crash_avoided", "number": trial.number, "off": list(self.crashes.off),
+                               "settings": s.to_dict()})
                 key = settings_key(s)
                 if key in done:
                     # Already measured (in this run or an earlier one): answer from the record.
@@ -506,6 +518,8 @@ class Tuner:
                         device, need = self.candidates.learn_oom(result, est)
                         trial.set_user_attr("oom_device", device)
                         trial.set_user_attr("oom_need", need)
+                    elif result.outcome is Outcome.CRASH and self.crashes.worth_investigating(s):
+                        self._learn_crash(study, trial, s, engine)
                     study.tell(trial, state=TrialState.FAIL)
                     done[key] = _Record(trial.number, TrialState.FAIL, None)
                 self.emit({"kind": "result", "number": trial.number, "outcome": result.outcome.value,
@@ -516,6 +530,26 @@ class Tuner:
         except KeyboardInterrupt:
             self.emit({"kind": "interrupted", "number": None})
             return True
+
+    def _learn_crash(self, study: Any, trial: Any, s: Settings, engine: Any) -> None:
+        """A crash is a clue: find the feature that crashes (``crashes.investigate``), record it on the
+        trial (a resumed study reads it back), and queue the same candidate again, to be launched
+        with that feature off and measured."""
+        self.emit({"kind": "crash_search", "number": trial.number, "settings": s.to_dict(),
+                   "message": "llama.cpp crashed: running the same candidate with optional features off"})
+
+        def said(off: tuple[str, ...], result: TrialResult) -> None:
+            self.emit({"kind": "crash_check", "number": trial.number, "off": list(off), "outcome": result.outcome.value})
+
+        finding = self.crashes.learn(s, engine, self.bench, on_run=said)
+        trial.set_user_attr("crash_avoided", finding.to_dict())
+        self.emit({"kind": "crash_learned", "number": trial.number, **finding.to_dict()})
+        if finding.found:
+            try:
+                fixed = {"fixed_settings": trial.user_attrs["fixed_settings"]} if trial.user_attrs.get("fixed_settings") else {}
+                study.enqueue_trial(dict(trial.params), user_attrs={"seed": "crash", **fixed})
+            except (ValueError, TypeError):  # pragma: no cover - the same parameters enqueue as they were asked
+                pass
 
     def _time_left(self, started: float, launched: int, launched_before: int) -> float | None:
         """Seconds left: of the time budget, or estimated from the trials so far."""
