@@ -33,6 +33,7 @@ FAR = Settings(
     offload_kqv=False, swa_full=True, kv_unified=True, use_mmap=False, use_mlock=True, op_offload=False, tensor_overrides=(r"blk\.0\.ffn_up\.weight",),
     n_cpu_moe=2,
     rpc_servers=("10.0.0.2:50052",),
+    devices=("RPC0", "CUDA0"),
 )
 
 

@@ -23,6 +23,7 @@ from tuner.engine.settings import Settings
 from tuner.errors import ProfileError, ProfileValidationError, SchemaVersionError
 from tuner.machine.probe import GPU, GPUProcess, LlamaBuild, Machine
 from tuner.profile.document import SCHEMA_VERSION, Profile, SchemaVersionWarning
+from tuner.profile.exports import export_args
 from tuner.profile.store import (
     import_bundle,
     list_profiles,
@@ -139,6 +140,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "tensor_overrides": [],
         "n_cpu_moe": 0,
         "rpc_servers": [],
+        "devices": [],
         **settings,
     }
     return {
@@ -355,13 +357,35 @@ def test_newer_minor_schema_version_warns_and_ignores_what_it_does_not_know():
 
 def test_newer_minor_without_unknown_keys_warns_too():
     document = profile_dict()
-    document["schema_version"] = "1.4"
-    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.4 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
+    document["schema_version"] = "1.5"
+    with pytest.warns(SchemaVersionWarning, match=rf"^profile schema 1.5 is newer than this tool \({SCHEMA_VERSION}\); loading it. Upgrade"):
         Profile.from_dict(document)
 
 
+def _before_1_4(document: dict) -> dict:
+    """A document as 1.3 (and before) wrote it: without the settings' device list 1.4 added."""
+    for settings in (document["settings"], (document.get("runner_up") or {}).get("settings", {})):
+        settings.pop("devices", None)
+    return document
+
+
+def test_a_1_3_profile_without_a_device_list_still_loads_and_stays_1_3():
+    document = _before_1_4(profile_dict())
+    document["schema_version"] = "1.3"
+    profile = Profile.from_dict(document)
+    assert profile.settings.devices == () and profile.schema_version == "1.3"
+    assert profile.to_dict() == json.loads(json.dumps(document))  # a 1.3 reader still accepts it
+    assert "-dev" not in export_args(profile, "llama-server")
+    # given a device list, it can only be said in 1.4
+    listed = profile.replace(settings=profile.settings.replace(devices=("CUDA0",)))
+    assert listed.to_dict()["schema_version"] == "1.4"
+    assert " -dev CUDA0" in export_args(listed, "llama-server")
+    assert "export LLAMA_ARG_DEVICE=CUDA0\n" in export_args(listed, "env")
+
+
 def _before_1_3(document: dict) -> dict:
-    """A document as 1.2 (and before) wrote it: without the engine and device list 1.3 added."""
+    """A document as 1.2 (and before) wrote it: without the engine and device list 1.3 added (nor 1.4's)."""
+    _before_1_4(document)
     document.pop("engine", None)
     document["machine"].pop("devices", None)
     return document

@@ -271,9 +271,9 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
 
     if table:
         if spec is None:
-            from ..machine.probe import probe
+            from ..profile.apps import this_machine
 
-            spec = whatif.from_machine(probe(llama=False))
+            spec = whatif.from_machine(this_machine())
         contexts = fit.contexts_for(info)
         rows = fit.quantization_table(info, spec, contexts, settings, margin=margin)
         data = {"machine": spec.to_dict(), "model": Path(info.path).name, "quantization": info.quantization,

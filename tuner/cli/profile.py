@@ -126,9 +126,12 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         profile = entry.profile
         match = ""
         if profile is not None and machine is not None:
-            if profile.machine.fingerprint == machine.fingerprint():
+            from ..machine.identity import match as identity_match
+
+            how = identity_match(profile.machine, machine)
+            if how in ("fingerprint", "legacy fingerprint"):
                 match = "this machine"
-            elif profile.machine.hardware_class == machine.hardware_class():
+            elif how in ("class", "legacy class"):
                 match = "same hardware class"
             else:
                 continue

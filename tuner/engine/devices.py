@@ -56,6 +56,9 @@ class DeviceInfo:
     unified_memory: bool = False  # shares the host's RAM: an integrated GPU, Apple silicon
     ggml_name: str = ""  # ggml's own device name where it differs (RPC0 for RPC0[host:port]): what -dev takes
     rpc_endpoint: str | None = None
+    # ggml_backend_dev_props.device_id: the PCI bus id "domain:bus:device.function" (lower case) where the
+    # backend gives one (CUDA, ROCm, Vulkan with VK_EXT_pci_bus_info; 2025-2026); None otherwise
+    pci_bus_id: str | None = None
 
     @property
     def is_accelerator(self) -> bool:
@@ -196,8 +199,9 @@ def devices_from_log(text: str) -> list[DeviceInfo]:
         backend = backend_of(name)
         integrated = bool(uma.get(name))
         unified = integrated or backend == "Metal"
+        pci = m["pci"] if m["pci"] and m["pci"] != "unknown id" else None
         out[name] = DeviceInfo(name, m["desc"], "igpu" if integrated else "gpu", int(m["free"]) * MiB, None, backend,
-                               unified)
+                               unified, pci_bus_id=pci)
     return list(out.values())
 
 

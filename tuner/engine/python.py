@@ -98,13 +98,14 @@ class TrialRunner(Engine):
         from .rpc import query_devices
 
         out = [DeviceInfo.from_dict(d) for d in self._probe().get("devices", [])]
-        for entry in query_devices(tuple(rpc_servers)) if rpc_servers else []:
+        for i, entry in enumerate(query_devices(tuple(rpc_servers)) if rpc_servers else []):
             if "error" in entry:
                 raise RPCError(f"RPC server {entry['endpoint']}: {entry['error']}; start it with `offload-tuner rpc-serve`",
                                reason=entry["error"])
             out.append(DeviceInfo(name=entry["name"], description=entry.get("description", entry["endpoint"]), type="gpu",
                                   memory_free=int(entry["memory_free"]), memory_total=int(entry["memory_total"]),
-                                  backend="RPC", ggml_name="RPC0", rpc_endpoint=entry["endpoint"]))
+                                  # ggml numbers RPC devices across servers, in the order --rpc registers them
+                                  backend="RPC", ggml_name=f"RPC{i}", rpc_endpoint=entry["endpoint"]))
         return out
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -133,6 +133,12 @@ class Worker:
             split = (ctypes.c_float * n)(*([float(x) for x in settings.tensor_split] + [0.0] * n)[:n])
             params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
             keep.append(split)
+        if settings.devices:
+            from .ggml import DeviceArray
+
+            devices = DeviceArray(settings.devices)
+            params.devices = devices.address
+            keep.append(devices)
         if settings.host_overrides:
             from .ggml import OverrideArray
 

@@ -13,13 +13,13 @@ newer minor version of the same major loads with a ``SchemaVersionWarning``; the
 know are ignored, at any depth, and the warning names them. In the current or an older minor version an
 unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
 
-The document (schema 1.3); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
+The document (schema 1.4); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
 ``quality_budget``; a 1.0 document (without them) loads as it always did:
 
 =============================  ===============================================================================
 key                            meaning
 =============================  ===============================================================================
-``schema_version``             ``"1.3"``
+``schema_version``             ``"1.4"``
 ``tool_version``               the offload-tuner version that wrote it
 ``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
 ``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
@@ -71,7 +71,11 @@ model's sliding window and training context to ``sizing``. A 1.0 or 1.1 profile 
 values it was measured with: ``swa_full`` true, the C API default the python engine ran then (its
 memory arithmetic is then the same with or without a window, so the sizing it lacks is not needed);
 ``n_cpu_moe`` 0 and ``kv_unified`` false. 1.3 added ``engine`` and ``machine.devices`` (an older profile
-reads with ``engine`` null: it was measured by the python engine, and no device list).
+reads with ``engine`` null: it was measured by the python engine, and no device list). 1.4 added
+``settings.devices``: the devices llama.cpp offloads to, by the names ``-dev`` takes (``CUDA0``,
+``Vulkan1``, ``RPC0``), in its order; a profile without it reads with ``[]`` (llama.cpp's own choice).
+The machine's ``fingerprint`` and ``hardware_class`` are identity v2 (``tuner.machine.identity``) in
+profiles written now; one written before still matches this machine through ``legacy_identities``.
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -99,7 +103,7 @@ from .dburl import redact_url
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 ENGINES = ("python", "llama-cpp")
 BUNDLE_VERSION = "1.0"
 OBJECTIVES = ("tg", "pp", "mixed")
@@ -506,6 +510,14 @@ class Profile:
                 del out["machine"]["devices"]
             else:
                 out["schema_version"] = "1.3"
+        # 1.4's device list (settings.devices) likewise: left out of an older document that has none.
+        if _major_minor(out["schema_version"]) < (1, 4):
+            blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
+            if any(block.get("devices") for block in blocks):
+                out["schema_version"] = "1.4"
+            else:
+                for block in blocks:
+                    block.pop("devices", None)
         return out
 
     def validate(self) -> None:
