@@ -114,6 +114,11 @@ _METAL_UNIFIED = re.compile(r"(?:has unified memory|hasUnifiedMemory)\s*=\s*(?P<
 _ROCM_DEVICE = re.compile(r"^\s+Device (?P<i>\d+): .*?, (?P<gfx>gfx[0-9a-f]+)\b")
 
 
+# Intel's integrated GPUs by name (UHD, Iris Xe, and the Arc of Meteor/Lunar/Arrow Lake, which has no
+# model number): what ggml-sycl reports as GGML_BACKEND_DEVICE_TYPE_IGPU, 2026.
+_INTEL_IGPU = re.compile(r"Intel\(R\) (?:UHD|Iris|HD)\b|Intel\(R\) Arc\(TM\) (?:\d+V\b|Graphics\b)|Intel\(R\) Graphics\b")
+
+
 def parse_list_devices(text: str) -> list[DeviceInfo]:
     """The devices in a ``--list-devices`` run's output (stdout and stderr together, in any order).
 
@@ -171,6 +176,10 @@ def parse_list_devices(text: str) -> list[DeviceInfo]:
         elif backend == "Vulkan" and uma.get(name):
             kind, unified = "igpu", True
         elif name in apu:
+            kind, unified = "igpu", True
+        elif backend == "SYCL" and _INTEL_IGPU.search(desc):
+            # --list-devices does not print the type ggml-sycl gives an integrated GPU (Level Zero's
+            # "not discrete"): Intel's integrated GPUs are known by their names
             kind, unified = "igpu", True
         out.append(DeviceInfo(label, desc, kind, free, total, backend, unified, ggml_name, endpoint))
     return out

@@ -55,10 +55,11 @@ def local_devices(machine: "Machine") -> list[dict[str, Any]]:
 
     if machine.devices:
         used = [d for d in used_devices(machine.devices) if not d.rpc_endpoint and d.backend != "RPC"]
-        return [{"model": device_model(d.description or d.name), "type": d.type,
+        return [{"model": device_model(d.description or d.name), "type": d.type, "shares_ram": bool(d.unified_memory),
                  "memory_gib": None if d.unified_memory or d.memory_total is None else round(d.memory_total / GiB)}
                 for d in used]
-    return [{"model": device_model(g.name), "type": "gpu", "memory_gib": round(g.memory_total / GiB)} for g in machine.gpus]
+    return [{"model": device_model(g.name), "type": "gpu", "shares_ram": False, "memory_gib": round(g.memory_total / GiB)}
+            for g in machine.gpus]
 
 
 def unified(machine: "Machine") -> bool:
@@ -79,7 +80,7 @@ def facts(machine: "Machine") -> dict[str, Any]:
         "logical_cores": machine.logical_cores,
         "ram_gib": round(machine.ram_total / GiB),
         "devices": devices,
-        "unified": bool(devices) and all(d["memory_gib"] is None for d in devices),
+        "unified": bool(devices) and all(d["shares_ram"] for d in devices),
     }
 
 
@@ -158,7 +159,7 @@ def differences(recorded: Any, machine: "Machine") -> list[str]:
 
 
 def _describe(d: Mapping[str, Any]) -> str:
-    memory = "shares the RAM" if d["memory_gib"] is None else f"{d['memory_gib']} GiB"
+    memory = ("shares the RAM" if d.get("shares_ram") else "memory unknown") if d["memory_gib"] is None else f"{d['memory_gib']} GiB"
     return f"{d['model']} ({memory})"
 
 
@@ -172,7 +173,7 @@ def _recorded_devices(recorded: Any) -> list[str] | None:
         dicts = [{"name": d.name, "description": d.description, "type": d.type, "memory_total": d.memory_total,
                   "memory_free": None, "unified_memory": d.unified_memory, "backend": backend_of(d.name)} for d in devices]
         used = [d for d in used_devices(dicts) if not d.rpc_endpoint and not d.name.startswith("RPC")]
-        return [_describe({"model": device_model(d.description or d.name),
+        return [_describe({"model": device_model(d.description or d.name), "shares_ram": d.unified_memory,
                            "memory_gib": None if d.unified_memory or d.memory_total is None else round(d.memory_total / GiB)})
                 for d in used]
     gpus = getattr(recorded, "gpus", ())

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
-import json
 import os
 import platform
 import subprocess
