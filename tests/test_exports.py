@@ -310,3 +310,30 @@ def test_a_modelfile_cannot_carry_a_path_with_shell_or_quote_characters(tmp_path
     comments = [line for line in plain.stdout.splitlines() if line.startswith("#")]
     assert any("$(touch" in line for line in comments) and any("\\n$(touch" in line for line in comments)
     assert all(line.startswith(("#", "FROM ", "PARAMETER ")) for line in plain.stdout.splitlines())
+
+
+def test_llama_cpp_takes_the_exported_device_list_after_the_rpc_servers(llama_parsers, rpc_servers, tmp_path):
+    """A profile over two RPC servers names its devices (-dev RPC0,RPC1 after --rpc, which registers
+    them while parsing; LLAMA_ARG_DEVICE after LLAMA_ARG_RPC): llama.cpp's own parser resolves both, in
+    the flags and in the env export, to the devices of those servers."""
+    harness, _bench, env = llama_parsers
+    servers = rpc_servers(2)
+    endpoints = tuple(s.endpoint for s in servers)
+    base = PROFILES["simple"]()
+    profile = base.replace(settings=base.settings.replace(rpc_servers=endpoints, devices=("RPC0", "RPC1"),
+                                                          tensor_split=(1.0, 3.0), n_gpu_layers=-1))
+    model = str(tmp_path / "model.gguf")
+    args = tool_args(profile, "llama-server", model_path=model)
+    assert args.index("--rpc") < args.index("-dev")
+    out = parsed(harness, "llama-server", args, env)
+    assert out["device"] == "RPC0;RPC1" and out["tensor_split"] == "1,3"
+    exported = dict(env)
+    flags: list[str] = []
+    for line in llama_server_env(profile, model_path=model).splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].partition("=")
+            exported[name] = shlex.split(value)[0]
+        elif "pass them as flags: " in line:
+            flags = shlex.split(line.split("pass them as flags: ", 1)[1])
+    assert exported["LLAMA_ARG_DEVICE"] == "RPC0,RPC1"
+    assert parsed(harness, "llama-server", flags, exported)["device"] == "RPC0;RPC1"

@@ -729,6 +729,7 @@ def Llama(
             f"{os.fspath(model_path)!r}: llama-cpp-python's Llama cannot open a file whose name is not UTF-8; "
             "rename the file, or link to it under a UTF-8 name"
         ) from None
+    _check_devices(profile)
     kwargs = {**profile.llama_kwargs(model_path), **overrides, "verbose": verbose}
     if kwargs.get("n_gpu_layers") and not llama_cpp.llama_supports_gpu_offload():
         message = (
@@ -741,6 +742,30 @@ def Llama(
         warnings.warn("PARTIAL OFFLOAD: " + message, ProfileDegradedWarning, stacklevel=2)
     with applied:
         return llama_cpp.Llama(**kwargs)
+
+
+def _check_devices(profile: Profile) -> None:
+    """llama-cpp-python's Llama takes no device list: llama.cpp picks its devices itself. Warn when the
+    devices it will pick here (this process's ggml registry, llama_cpp being loaded already) are not the
+    profile's, so its tensor split would land on other devices than the ones tuned."""
+    wanted = [n for n in profile.settings.devices if not n.startswith("RPC")]
+    if not wanted or profile.settings.n_gpu_layers == 0:
+        return
+    from ..engine.ggml import list_devices
+    from ..machine.devices import used_devices
+
+    try:
+        here = [d.ggml_name or d.name for d in used_devices(list_devices()) if not d.rpc_endpoint]
+    except OSError:
+        return
+    if here != wanted:
+        warnings.warn(
+            f"profile {profile.name} was tuned on the devices {', '.join(wanted)}; llama.cpp here would use "
+            f"{', '.join(here) or 'none'} (llama-cpp-python cannot be told which): its layers and tensor split may "
+            "land elsewhere; limit the visible devices (CUDA_VISIBLE_DEVICES, GGML_VK_VISIBLE_DEVICES...) or tune here",
+            ProfileWarning,
+            stacklevel=3,
+        )
 
 
 # Llama keywords that are Settings fields of the same name and type: checked as the profile's own

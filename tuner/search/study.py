@@ -306,7 +306,8 @@ class Tuner:
             raise ModelError(ref.path, f"not the same model as {Path(self.main.path).name}: {why}")
         # On the accelerators when there are real ones (a model that does not fit is scored on the
         # CPU); simulated RPC devices would only be slower than the CPU behind them.
-        gpus = bool(self.machine.gpus) and self.machine.llama.gpu_offload
+        local = [d for d in self.machine.used_accelerators() if not d.get("rpc_endpoint")]
+        gpus = bool(local or (self.machine.gpus and not self.machine.devices)) and self.machine.llama.gpu_offload
         with QualityMeter(ref, corpus=corpus, n_ctx=n_ctx, chunks=chunks, engine=scorer, on_event=self.emit,
                           settings={"n_gpu_layers": -1 if gpus else 0}, timeout_s=self.trial_timeout) as meter:
             return meter.measure(infos)
