@@ -775,7 +775,7 @@ DIMENSIONS: tuple[Dimension, ...] = (
         # (LLAMA_ARG_RPC, defined before LLAMA_ARG_DEVICE in common/arg.cpp) has registered them
         "devices", "devices", (),
         model_level=True,
-        option=Option(("--devices", "-dev"), "Devices to offload to, by llama.cpp's names (CUDA0,CUDA1; as --list-devices prints them).",
+        option=Option(("--device", "-dev"), "Devices to offload to, by llama.cpp's names (CUDA0,CUDA1; as --list-devices prints them).",
                       parse=_device_names),
         no_kwarg=("llama-cpp-python's Llama takes no device list (its llama_model_params.devices is unused): llama.cpp's "
                   "default selection picks the same devices on the machine that tuned (tuner.machine.devices.used_devices), "
