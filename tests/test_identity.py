@@ -164,3 +164,24 @@ def test_an_app_pays_llama_cpps_start_up_once_per_boot_build_and_device_environm
     key = cache_key()
     monkeypatch.setenv("GGML_VK_VISIBLE_DEVICES", "1")
     assert cache_key() != key and app_devices()["cached"] is False
+
+
+def test_a_unified_device_and_the_host_are_one_pool_when_tuning(models):
+    """On Apple silicon what MTL0 holds is RAM too: a candidate that fits the device and the host apart
+    but not together is not launched (as the fit check at load counts it: tuner.profile.apps)."""
+    from tuner.engine.settings import Settings
+    from tuner.model.inspect import inspect
+    from tuner.search.candidates import Candidates
+    from tuner.search.space import devices_from
+
+    machine = with_devices(host(), recorded("apple-m-series"))
+    devices = devices_from(machine.devices)
+    info = inspect(models["q8_0"])
+    s = Settings(model_path=info.path, n_gpu_layers=2, n_ctx=512, use_mmap=False)
+    apart = Candidates({info.path: info}, devices, 1 << 40, 0)
+    est = apart.estimate(s)
+    device, host_need = est.devices["Metal"].total, est.devices["CPU"].total
+    ram = max(device, host_need) + min(device, host_need) // 2  # each alone fits, both together do not
+    assert Candidates({info.path: info}, devices, ram, 0).check(s, est) is None
+    why = Candidates({info.path: info}, devices, ram, 0, shared_ram=["Metal"]).check(s, est)
+    assert why is not None and "which shares it" in why

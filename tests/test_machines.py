@@ -8,7 +8,8 @@ runs for real, twice, in two processes:
   probe (the python engine's child lists the devices) -> tune (the scripted engine: trials are the
   only thing not run, there is no such GPU here) -> profile -> ``load_profile`` / ``tuner.Llama``'s
   settings in a FRESH process that probes the same machine (cold: through a llama.cpp child; warm:
-  from the per-boot device cache, no llama.cpp) -> ``offload-tuner profile check`` -> every export,
+  from the per-boot device cache, no llama.cpp) -> ``offload-tuner profile check`` (in-process, from the
+  cache) -> every export,
   the llama-server/llama-cli flags and the env export through llama.cpp's own parser.
 
 What the parser cannot take here is checked against the recorded device list instead: ``-dev CUDA0``
@@ -66,6 +67,15 @@ if legacy != "-":
     except tuner.TunerError as exc:
         out["legacy_error"] = str(exc)
 out["llama_cpp_imported"] = "llama_cpp" in sys.modules
+if sys.argv[3] == "llama" and "error" not in out:
+    # tuner.Llama itself: llama-cpp-python (a CPU build here) loads the tiny model as the profile says,
+    # after checking llama.cpp here would pick the profile's devices
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = tuner.Llama(model)
+    out["llama_n_ctx"] = llm.n_ctx()
+    out["llama_warnings"] = [str(w.message) for w in caught if "devices" in str(w.message)]
+    llm.close()
 print(json.dumps(out))
 """
 
@@ -77,9 +87,9 @@ def _env(kind: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _app(model: Path, env: dict[str, str], legacy: Path | None = None) -> dict:
-    proc = subprocess.run([sys.executable, "-c", APP, str(model), str(legacy or "-")], capture_output=True, text=True,
-                          env=env, timeout=120)
+def _app(model: Path, env: dict[str, str], legacy: Path | None = None, llama: bool = False) -> dict:
+    proc = subprocess.run([sys.executable, "-c", APP, str(model), str(legacy or "-"), "llama" if llama else "-"],
+                          capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -164,7 +174,7 @@ def test_the_whole_journey(kind, model, tmp_path, monkeypatch, llama_parsers):
     document["machine"].update(fingerprint=old_fp, hardware_class=old_class)
     (legacy / "old.json").write_text(json.dumps(document))
     cold = _app(model, env, legacy)
-    warm = _app(model, env)
+    warm = _app(model, env, llama=not rpc)  # (tuner.Llama would connect to the recorded RPC server: not here)
     for app in (cold, warm):
         assert "error" not in app, app["error"]
         assert app["name"] == profile.name
@@ -176,12 +186,17 @@ def test_the_whole_journey(kind, model, tmp_path, monkeypatch, llama_parsers):
         assert app["llama_cpp_imported"] is False
     assert cold.get("legacy") == "old", cold.get("legacy_error")  # a profile from before identity v2 still loads
     assert warm["cached_before"] is True  # the second app paid no llama.cpp start-up
+    if not rpc:
+        assert warm["llama_n_ctx"] == profile.settings.n_ctx and warm["llama_warnings"] == []
 
-    # 4. profile check, a fresh process
-    check = subprocess.run([sys.executable, "-m", "tuner", "profile", "check", str(model)], capture_output=True,
-                           text=True, env=env, timeout=120)
-    assert check.returncode == 0, check.stderr[-2000:]
-    assert profile.name in check.stdout
+    # 4. profile check (in this process: the device list comes from this boot's cache, as for any app)
+    from click.testing import CliRunner
+
+    from tuner.cli.main import cli
+
+    check = CliRunner().invoke(cli, ["profile", "check", str(model)])
+    assert check.exit_code == 0, check.output[-2000:]
+    assert profile.name in check.output
 
     # 5. every export: the device list travels with the split
     harness, _bench, parse_env = llama_parsers

@@ -314,7 +314,10 @@ def check_command(ctx: click.Context, model_path: str, strict: bool) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileWarning)
         try:
-            p = load_profile(model_path, machine=_machine(ctx), strict=strict)
+            # no injected machine: load_profile probes this one as an app does (and, for a profile measured
+            # with llama.cpp binaries, as those binaries see it)
+            injected = ctx.obj.get("machine") if isinstance(ctx.obj, dict) else None
+            p = load_profile(model_path, machine=injected, strict=strict)
         except TunerError as exc:
             _show_warnings(caught)
             raise ProfileCommandError(str(exc)) from None

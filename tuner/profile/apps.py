@@ -97,7 +97,9 @@ def load_profile(
 ) -> Profile:
     """The best profile for this model file on this machine, checked (and if needed degraded) to fit now.
 
-    ``machine`` defaults to this machine (``tuner.hardware.probe(llama=False)``); tests inject one.
+    ``machine`` defaults to this machine as llama.cpp sees it (``this_machine``: its devices probed once per
+    boot and cached); tests inject one. A profile measured with llama.cpp binaries that are still where
+    it says is also matched against the machine as those binaries see it.
     When no local folder has one, the team's registry is asked (``registry``, by default
     ``OFFLOAD_TUNER_REGISTRY``; see ``tuner.profile.registry``), and its answer cached locally.
     ``llama_bin``: the folder of the llama.cpp binaries this app runs the profile with (llama-server...);

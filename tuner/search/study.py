@@ -276,7 +276,8 @@ class Tuner:
         peak_names = {f"CUDA{d['nvml_index']}": d["name"] for d in self.machine.devices
                       if isinstance(d, dict) and d.get("nvml_index") is not None and d.get("name")}
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, self.margin,
-                                     calibrate=self.calibrated, peak_names=peak_names)
+                                     calibrate=self.calibrated, peak_names=peak_names,
+                                     shared_ram=[d["name"] for d in self.machine.used_accelerators() if d.get("unified_memory")])
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
 
     def _measure_quality(self, reference: str | Path | None, corpus: str | Path | None, chunks: int,
