@@ -16,7 +16,7 @@ from tuner.engine.devices import DeviceInfo, parse_list_devices
 from tuner.machine.devices import app_devices, cache_key, dropped_devices, match_nvml, normalize_pci, used_devices
 from tuner.machine.identity import device_model, differences, fingerprint, hardware_class, legacy_identities, match
 from tuner.machine.probe import GPU, Machine, with_devices
-from tuner.machine.recorded import RecordedMachine
+from tuner.engine.recorded import RecordedMachine
 from tuner.profile.document import MachineInfo
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -1,7 +1,7 @@
 """The machine matrix: the whole journey on every kind of machine in ``tests/machines/``.
 
 Each folder holds what llama.cpp and the OS really printed on one kind of machine (sources in its
-README). ``OFFLOAD_TUNER_TEST_MACHINE`` (``tuner.machine.recorded``) makes the lowest seams read it:
+README). ``OFFLOAD_TUNER_TEST_MACHINE`` (``tuner.engine.recorded``) makes the lowest seams read it:
 ggml's device list in the python engine's child process, NVML, the CPU, the platform. Everything above
 runs for real, twice, in two processes:
 
@@ -33,7 +33,7 @@ from tuner.engine.fake import ScriptedRunner
 from tuner.engine.python import TrialRunner
 from tuner.machine.devices import used_devices
 from tuner.machine.probe import probe
-from tuner.machine.recorded import ENV_TEST_MACHINE, RecordedMachine
+from tuner.engine.recorded import ENV_TEST_MACHINE, RecordedMachine
 from tuner.model.inspect import inspect
 from tuner.profile.exports import export_args, tool_args
 from tuner.search.study import Tuner

@@ -125,7 +125,7 @@ def list_devices() -> list[dict]:
     RPC device's ``name`` is the label its buffers carry (``RPC0[host:port]``), its ggml name in
     ``ggml_name``. ``tuner.engine.devices.DeviceInfo.from_dict`` reads each entry.
     """
-    from ..machine.recorded import recorded_machine
+    from .recorded import recorded_machine
     from .devices import backend_of, rpc_label
 
     recorded = recorded_machine()

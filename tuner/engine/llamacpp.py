@@ -257,7 +257,7 @@ class LlamaCppEngine(Engine):
             return list(self._devices[key])
         rpc = ["--rpc", ",".join(rpc_servers)] if rpc_servers else []
         last = ""
-        from ..machine.recorded import recorded_machine
+        from .recorded import recorded_machine
 
         recorded = recorded_machine()  # a test seam: a recorded machine's --list-devices output
         for tool in (*COMMON_PARSERS, "llama-bench"):

@@ -188,7 +188,7 @@ def query_devices(endpoints: Sequence[str], timeout_s: float = 30.0) -> list[dic
     An entry that could not be read has ``error``, in words."""
     root = str(Path(__file__).resolve().parent.parent)
     out = []
-    from ..machine.recorded import recorded_machine
+    from .recorded import recorded_machine
 
     recorded = recorded_machine()
     for endpoint in endpoints:

@@ -41,6 +41,21 @@ DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "HIP_VISIBLE_DEVICES"
 CACHE_VERSION = 1
 
 
+_DRIVER_SUFFIX = re.compile(r"\s*\((?:RADV|LLVM|NVIDIA|AMD|Intel|Mesa|MoltenVK|NVK|ANV|Microsoft|Qualcomm|Turnip)[^()]*\)\s*$",
+                            re.IGNORECASE)
+
+
+def device_model(description: str) -> str:
+    """A device's model from llama.cpp's description: the driver's suffix in parentheses (``(RADV NAVI31)``,
+    ``(LLVM 15.0.6, 256 bits)``) and extra spaces removed, so a CUDA and a Vulkan build of a card agree."""
+    text = " ".join(str(description or "").split())
+    while True:
+        trimmed = _DRIVER_SUFFIX.sub("", text)
+        if trimmed == text:
+            return text
+        text = trimmed
+
+
 def _info(d: Any) -> Any:
     from ..engine.devices import DeviceInfo
 
@@ -115,8 +130,6 @@ def match_nvml(devices: Sequence[Any], gpus: Sequence[Any], env: Mapping[str, st
         index = by_pci.get(normalize_pci(d.pci_bus_id.split("-v")[0]))
         if index is not None:
             out[d.name] = index
-    from .identity import device_model
-
     unpaired = [d for d in infos if d.backend in ("CUDA", "Vulkan", "OpenCL") and d.name not in out and not d.pci_bus_id]
     cuda = [d for d in unpaired if d.backend == "CUDA"]
     if not unpaired:
@@ -284,5 +297,5 @@ def _probe_devices(llama_bin: str | os.PathLike[str] | None) -> dict[str, Any]:
             "llama_cpp_python": data.get("llama_cpp_python"), "build": data.get("version")}
 
 
-__all__ = ["used_devices", "dropped_devices", "match_nvml", "normalize_pci", "app_devices", "store_devices", "cache_key",
+__all__ = ["device_model", "used_devices", "dropped_devices", "match_nvml", "normalize_pci", "app_devices", "store_devices", "cache_key",
            "boot_id", "DEVICE_ENV"]

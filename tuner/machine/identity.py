@@ -27,32 +27,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    from .probe import Machine
+from .devices import device_model, used_devices
+
+Machine = Any  # tuner.machine.probe.Machine (which calls this module: not imported here)
 
 GiB = 1 << 30
-_DRIVER_SUFFIX = re.compile(r"\s*\((?:RADV|LLVM|NVIDIA|AMD|Intel|Mesa|MoltenVK|NVK|ANV|Microsoft|Qualcomm|Turnip)[^()]*\)\s*$",
-                            re.IGNORECASE)
-
-
-def device_model(description: str) -> str:
-    """A device's model from llama.cpp's description: the driver's suffix and extra spaces removed."""
-    text = " ".join(str(description or "").split())
-    while True:
-        trimmed = _DRIVER_SUFFIX.sub("", text)
-        if trimmed == text:
-            return text
-        text = trimmed
-
-
 def local_devices(machine: "Machine") -> list[dict[str, Any]]:
     """The machine's own devices llama.cpp will use, as identity facts: ``model``, ``type``, ``memory_gib``
     (``None`` for one sharing the RAM), in llama.cpp's order. Without llama.cpp's devices, NVML's GPUs."""
-    from .devices import used_devices
-
     if machine.devices:
         used = [d for d in used_devices(machine.devices) if not d.rpc_endpoint and d.backend != "RPC"]
         return [{"model": device_model(d.description or d.name), "type": d.type, "shares_ram": bool(d.unified_memory),
@@ -66,8 +50,6 @@ def unified(machine: "Machine") -> bool:
     """One memory pool: every local device llama.cpp will use shares the host's RAM (Apple silicon, an APU
     alone). An iGPU beside a discrete GPU does not make the machine unified; neither does a Metal device
     that llama.cpp says has its own memory (an Intel Mac's discrete GPU)."""
-    from .devices import used_devices
-
     local = [d for d in used_devices(machine.devices) if not d.rpc_endpoint and d.backend != "RPC"]
     return bool(local) and all(d.unified_memory for d in local)
 
@@ -164,8 +146,6 @@ def _describe(d: Mapping[str, Any]) -> str:
 
 
 def _recorded_devices(recorded: Any) -> list[str] | None:
-    from .devices import used_devices
-
     devices = getattr(recorded, "devices", ())
     if devices:
         from ..engine.devices import backend_of

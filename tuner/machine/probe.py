@@ -147,7 +147,7 @@ class Machine:
 
 
 def cpu_model() -> str:
-    from .recorded import recorded_machine
+    from ..engine.recorded import recorded_machine
 
     recorded = recorded_machine()
     if recorded is not None and recorded.cpu().get("model"):  # a test seam
@@ -171,7 +171,7 @@ def cpu_model() -> str:
 
 def probe_gpus() -> tuple[tuple[GPU, ...], str]:
     """GPUs through NVML. Returns (gpus, status) where status says what happened, in words."""
-    from .recorded import recorded_machine
+    from ..engine.recorded import recorded_machine
 
     recorded = recorded_machine()
     if recorded is not None:  # a test seam: NVML as recorded (nvml.json), or no NVIDIA driver
@@ -379,7 +379,7 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
         from ..engine.rpc import query_devices
 
         rpc_devices = tuple(query_devices(rpc_servers))
-    from .recorded import recorded_machine
+    from ..engine.recorded import recorded_machine
 
     recorded = recorded_machine()
     cpu = recorded.cpu() if recorded is not None else {}  # a test seam: the recorded machine's CPU and RAM
@@ -401,6 +401,31 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
         unified_memory=detect_unified_memory(gpus),
     )
     return with_devices(machine, devices)
+
+
+def app_machine(llama_bin: Any = None) -> Machine:
+    """This machine as the llama.cpp an app runs sees it (``llama_bin``: the binaries' folder; by default
+    llama-cpp-python), without paying llama.cpp's start-up more than once per boot: its devices come from
+    ``tuner.machine.devices.app_devices`` (cached in the data folder per boot, build and device
+    environment); NVML, the CPU and RAM are read now. The identity (``tuner.machine.identity``) is the
+    one the tuner computed. ``tuner.profile.apps.this_machine`` is this."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ..engine.devices import DeviceInfo
+    from .devices import app_devices
+
+    machine = probe(llama=False)
+    found = app_devices(llama_bin)
+    machine = with_devices(machine, [DeviceInfo.from_dict(d) for d in found.get("devices", [])])
+    if found.get("error"):
+        machine = dataclasses.replace(machine, gpu_status=f"{machine.gpu_status}; llama.cpp's devices could not be read "
+                                                          f"({found['source']}: {found['error']})")
+    if llama_bin is not None:
+        return machine
+    try:
+        return dataclasses.replace(machine, llama=LlamaBuild(llama_cpp_python=version("llama_cpp_python")))
+    except PackageNotFoundError:
+        return machine
 
 
 def _remember_devices(engine: Any, devices: list[Any]) -> None:

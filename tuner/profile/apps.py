@@ -178,28 +178,11 @@ def _binaries_of(entries: list, fingerprint: dict) -> list[str]:
 
 def this_machine(llama_bin: str | os.PathLike[str] | None = None) -> "Machine":
     """This machine as the llama.cpp an app runs sees it (``llama_bin``: the binaries' folder; by default
-    llama-cpp-python), without paying llama.cpp's start-up more than once per boot: its devices come from
-    ``tuner.machine.devices.app_devices`` (cached in the data folder per boot, build and device
-    environment); NVML, the CPU and RAM are read now. The identity (``tuner.machine.identity``) is the
-    one the tuner computed."""
-    from importlib.metadata import PackageNotFoundError, version
+    llama-cpp-python), without paying llama.cpp's start-up more than once per boot
+    (``tuner.machine.probe.app_machine``: its devices cached per boot, build and device environment)."""
+    from ..machine.probe import app_machine
 
-    from ..engine.devices import DeviceInfo
-    from ..machine.devices import app_devices
-    from ..machine.probe import LlamaBuild, probe, with_devices
-
-    machine = probe(llama=False)
-    found = app_devices(llama_bin)
-    machine = with_devices(machine, [DeviceInfo.from_dict(d) for d in found.get("devices", [])])
-    if found.get("error"):
-        machine = dataclasses.replace(machine, gpu_status=f"{machine.gpu_status}; llama.cpp's devices could not be read "
-                                                          f"({found['source']}: {found['error']})")
-    if llama_bin is not None:
-        return machine
-    try:
-        return dataclasses.replace(machine, llama=LlamaBuild(llama_cpp_python=version("llama_cpp_python")))
-    except PackageNotFoundError:
-        return machine
+    return app_machine(llama_bin)
 
 
 def model_mismatch(profile: Profile, fingerprint: dict) -> str | None:

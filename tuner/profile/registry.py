@@ -201,9 +201,9 @@ def pull(url: str, *, hardware_class: str | None = None, machine: Any = None, de
     (your profile folder), validated, duplicates skipped, nothing overwritten without ``force``."""
     if hardware_class is None:
         if machine is None:
-            from .apps import this_machine
+            from ..machine.probe import app_machine
 
-            machine = this_machine()  # llama.cpp's devices, probed once per boot (tuner.machine.devices)
+            machine = app_machine()  # llama.cpp's devices, probed once per boot (tuner.machine.devices)
         hardware_class = machine.hardware_class()
     with _Registry(url) as registry:
         rows = registry.rows(registry.table.c.hardware_class == hardware_class)

@@ -264,6 +264,7 @@ class SearchSpace:
             tensor_overrides=placement_patterns(placement, placement_layers),
             n_cpu_moe=n_cpu_moe,
             rpc_servers=self.rpc_servers,
+            devices=self.device_names,
         )
 
 
