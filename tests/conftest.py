@@ -111,3 +111,11 @@ def llama_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return build_llama_cpp_tools(tmp_path_factory.mktemp("llama-bin"))
     except TunerError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def llama_parsers(tmp_path_factory):
+    """(harness, llama-bench, environment) built from llama.cpp's sources (tests/parsers.py), or a skip."""
+    from tests.parsers import build_parsers
+
+    return build_parsers(tmp_path_factory)

@@ -109,7 +109,9 @@ def test_no_match_lists_every_profile_found_and_why(model, folder, tmp_path):
         f"  {rehashed}: made for a different file with the same name: Qwen3-8B-Q4_K_M.gguf was {size} bytes "
         f"with header hash efefefefefef when tuned; this one is {size} bytes with header hash {short_hash}\n"
         f"  {elsewhere}: for another machine (AMD EPYC 7763, 2x NVIDIA A100-SXM4-80GB (80.0 GiB)): neither its "
-        f"fingerprint {a100.fingerprint()} nor its hardware class {a100.hardware_class()} is this machine's\n"
+        f"fingerprint {a100.fingerprint()} nor its hardware class {a100.hardware_class()} is this machine's (CPU: AMD "
+        "EPYC 7763 when tuned, AMD Ryzen 9 7950X 16-Core Processor here; devices llama.cpp uses: NVIDIA A100-SXM4-80GB "
+        "(80 GiB), NVIDIA A100-SXM4-80GB (80 GiB) when tuned, NVIDIA GeForce RTX 4090 (24 GiB) here)\n"
         f"  {broken}: unreadable: tool_version: missing\n"
         f"Tune it here with `offload-tuner tune {model}`, or add a team's profile folder to OFFLOAD_TUNER_PROFILE_PATH."
     )

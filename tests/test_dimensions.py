@@ -33,6 +33,7 @@ FAR = Settings(
     offload_kqv=False, swa_full=True, kv_unified=True, use_mmap=False, use_mlock=True, op_offload=False, tensor_overrides=(r"blk\.0\.ffn_up\.weight",),
     n_cpu_moe=2, repack=False,
     rpc_servers=("10.0.0.2:50052",),
+    devices=("RPC0", "CUDA0"),
 )
 
 
@@ -146,7 +147,7 @@ def test_every_option_round_trips_through_the_command_line():
 def test_help_lists_every_option(command):
     text = CliRunner().invoke(cli, [command, "--help"], terminal_width=200).output
     for dim in DIMENSIONS:
-        if dim.option is not None and not (command == "estimate" and dim.name == "rpc_servers"):
+        if dim.option is not None and not (command == "estimate" and dim.name in ("rpc_servers", "devices")):
             for name in dim.option.names:
                 assert name in text, name
 

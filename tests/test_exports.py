@@ -22,10 +22,10 @@ from click.testing import CliRunner
 
 from tests.test_profile import GiB, MiB, make_machine, profile_dict
 from tuner.cli.profile import profile_group
-from tuner.errors import ProfileError, TunerError
-from tuner.testing import build_against_llama_cpp, llama_cpp_env, llama_cpp_source
+from tuner.errors import ProfileError
 from tuner.profile.exports import FORMATS, export_args, llama_server_env, tool_args
 from tuner.profile.document import Profile
+from tests.parsers import parsed
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -119,72 +119,9 @@ def test_profile_args_command(tmp_path):
 
 # -- through llama.cpp's own parsers ------------------------------------------------------------
 
-HARNESS = r"""
-// What llama.cpp's common_params_parse (llama-server, llama-cli) understood from argv and LLAMA_ARG_*.
-#include "arg.h"
-#include "common.h"
-#include <cstdio>
-#include <cstring>
-
-int main(int argc, char ** argv) {
-    llama_example ex = std::strcmp(argv[1], "llama-cli") == 0 ? LLAMA_EXAMPLE_CLI : LLAMA_EXAMPLE_SERVER;
-    argv[1] = argv[0];
-    common_params params;
-    if (!common_params_parse(argc - 1, argv + 1, params, ex)) {
-        return 3;
-    }
-    printf("model=%s\n", params.model.path.c_str());
-    printf("n_gpu_layers=%d\n", params.n_gpu_layers);
-    printf("split_mode=%d\n", (int) params.split_mode);
-    printf("main_gpu=%d\n", params.main_gpu);
-    printf("tensor_split=%g,%g\n", params.tensor_split[0], params.tensor_split[1]);
-    printf("n_ctx=%d\n", params.n_ctx);
-    printf("n_batch=%d\n", params.n_batch);
-    printf("n_ubatch=%d\n", params.n_ubatch);
-    printf("n_threads=%d\n", params.cpuparams.n_threads);
-    printf("n_threads_batch=%d\n", params.cpuparams_batch.n_threads);
-    printf("flash_attn=%d\n", (int) params.flash_attn_type);
-    printf("type_k=%s\n", ggml_type_name(params.cache_type_k));
-    printf("type_v=%s\n", ggml_type_name(params.cache_type_v));
-    printf("no_kv_offload=%d\n", (int) params.no_kv_offload);
-    printf("load_mode=%d\n", (int) params.load_mode);
-    printf("no_op_offload=%d\n", (int) params.no_op_offload);
-    printf("swa_full=%d\n", (int) params.swa_full);
-    printf("kv_unified=%d\n", (int) params.kv_unified);
-    for (const auto & o : params.tensor_buft_overrides) {
-        if (o.pattern) printf("override=%s=%s\n", o.pattern, ggml_backend_buft_name(o.buft));
-    }
-    return 0;
-}
-"""
-
-
-@pytest.fixture(scope="session")
-def llama_parsers(tmp_path_factory):
-    """(harness, llama-bench, environment) built from llama.cpp's sources, or a skip saying what is missing."""
-    source = llama_cpp_source()
-    if source is None:
-        pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
-    out = tmp_path_factory.mktemp("llama-parsers")
-    (out / "harness.cpp").write_text(HARNESS)
-    bench_dir = source / "tools" / "llama-bench"
-    try:
-        harness = build_against_llama_cpp("harness", [out / "harness.cpp"], out, source=source, optimize="-O0")
-        bench = build_against_llama_cpp("llama-bench", [bench_dir / "llama-bench.cpp", bench_dir / "main.cpp"], out,
-                                        source=source, optimize="-O0")
-    except TunerError as exc:
-        pytest.skip(str(exc))
-    return harness, bench, llama_cpp_env()
-
-
-def _parsed(harness: Path, tool: str, args: list[str], env: dict) -> dict[str, str]:
-    proc = subprocess.run([str(harness), tool, *args], capture_output=True, text=True, env=env, timeout=60)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out: dict[str, str] = {}
-    for line in proc.stdout.splitlines():
-        key, _, value = line.partition("=")
-        out[key] = f"{out[key]};{value}" if key in out else value
-    return out
+# The harness around llama.cpp's own parser, and its fixture (``llama_parsers``), are shared with the
+# machine matrix: tests/parsers.py, registered in conftest.py.
+_parsed = parsed
 
 
 def _expected(profile: Profile, model_path: str, tool: str = "llama-server") -> dict[str, str]:
@@ -376,3 +313,30 @@ def test_a_modelfile_cannot_carry_a_path_with_shell_or_quote_characters(tmp_path
     comments = [line for line in plain.stdout.splitlines() if line.startswith("#")]
     assert any("$(touch" in line for line in comments) and any("\\n$(touch" in line for line in comments)
     assert all(line.startswith(("#", "FROM ", "PARAMETER ")) for line in plain.stdout.splitlines())
+
+
+def test_llama_cpp_takes_the_exported_device_list_after_the_rpc_servers(llama_parsers, rpc_servers, tmp_path):
+    """A profile over two RPC servers names its devices (-dev RPC0,RPC1 after --rpc, which registers
+    them while parsing; LLAMA_ARG_DEVICE after LLAMA_ARG_RPC): llama.cpp's own parser resolves both, in
+    the flags and in the env export, to the devices of those servers."""
+    harness, _bench, env = llama_parsers
+    servers = rpc_servers(2)
+    endpoints = tuple(s.endpoint for s in servers)
+    base = PROFILES["simple"]()
+    profile = base.replace(settings=base.settings.replace(rpc_servers=endpoints, devices=("RPC0", "RPC1"),
+                                                          tensor_split=(1.0, 3.0), n_gpu_layers=-1))
+    model = str(tmp_path / "model.gguf")
+    args = tool_args(profile, "llama-server", model_path=model)
+    assert args.index("--rpc") < args.index("-dev")
+    out = parsed(harness, "llama-server", args, env)
+    assert out["device"] == "RPC0;RPC1" and out["tensor_split"] == "1,3"
+    exported = dict(env)
+    flags: list[str] = []
+    for line in llama_server_env(profile, model_path=model).splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].partition("=")
+            exported[name] = shlex.split(value)[0]
+        elif "pass them as flags: " in line:
+            flags = shlex.split(line.split("pass them as flags: ", 1)[1])
+    assert exported["LLAMA_ARG_DEVICE"] == "RPC0,RPC1"
+    assert parsed(harness, "llama-server", flags, exported)["device"] == "RPC0;RPC1"

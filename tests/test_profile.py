@@ -23,6 +23,7 @@ from tuner.engine.settings import Settings
 from tuner.errors import ProfileError, ProfileValidationError, SchemaVersionError
 from tuner.machine.probe import GPU, GPUProcess, LlamaBuild, Machine
 from tuner.profile.document import SCHEMA_VERSION, Profile, SchemaVersionWarning
+from tuner.profile.exports import export_args
 from tuner.profile.store import (
     import_bundle,
     list_profiles,
@@ -140,6 +141,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "n_cpu_moe": 0,
         "repack": True,
         "rpc_servers": [],
+        "devices": [],
         **settings,
     }
     return {
@@ -375,10 +377,25 @@ def test_newer_minor_without_unknown_keys_warns_too():
 
 
 def _before_1_4(document: dict) -> dict:
-    """A document as 1.3 (and before) wrote it: without the repack setting 1.4 added."""
+    """A document as 1.3 (and before) wrote it: without the repack setting and the device list 1.4 added."""
     for settings in (document["settings"], (document.get("runner_up") or {}).get("settings", {})):
+        settings.pop("devices", None)
         settings.pop("repack", None)
     return document
+
+
+def test_a_1_3_profile_without_a_device_list_still_loads_and_stays_1_3():
+    document = _before_1_4(profile_dict())
+    document["schema_version"] = "1.3"
+    profile = Profile.from_dict(document)
+    assert profile.settings.devices == () and profile.schema_version == "1.3"
+    assert profile.to_dict() == json.loads(json.dumps(document))  # a 1.3 reader still accepts it
+    assert "-dev" not in export_args(profile, "llama-server")
+    # given a device list, it can only be said in 1.4
+    listed = profile.replace(settings=profile.settings.replace(devices=("CUDA0",)))
+    assert listed.to_dict()["schema_version"] == "1.4"
+    assert " -dev CUDA0" in export_args(listed, "llama-server")
+    assert "export LLAMA_ARG_DEVICE=CUDA0\n" in export_args(listed, "env")
 
 
 def _before_1_3(document: dict) -> dict:

@@ -130,7 +130,7 @@ def test_each_searched_dimension_is_asked_somewhere(models):
     asked = set()
     for space in _spaces(models).values():
         asked |= set(space.dimensions())
-    declared = {d.name for d in SEARCHED if d.search.ask is None} - {"n_threads_batch", "type_v", "rpc_servers", "model_path"}
+    declared = {d.name for d in SEARCHED if d.search.ask is None} - {"n_threads_batch", "type_v", "rpc_servers", "devices", "model_path"}
     assert declared <= asked, declared - asked
     extra = {"variant", "placement", "placement_layers", "n_gpu_layers", "n_cpu_moe"} | {p for p in asked if p.startswith("layers_on[")}
     assert asked <= declared | extra, asked - declared - extra

@@ -208,7 +208,8 @@ def _floats(value: str | None) -> tuple[float, ...] | None:
               help="With --compare-fit: the folder of your llama.cpp binaries (default: llama-bench on PATH).")
 @click.option("--rpc", "rpc", default=None, help="With --compare-fit: RPC servers host:port,... used as devices.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@settings_options(defaults={"n_gpu_layers": None}, skip=("rpc_servers",))
+# (estimate's own --device/--devices describe a machine to size for; the device list is not a sizing question)
+@settings_options(defaults={"n_gpu_layers": None}, skip=("rpc_servers", "devices"))
 def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_specs: tuple[str, ...], ram: str | None,
                  machine_file: str | None, table: bool, devices: str | None, free_mib: str | None, margin_mib: int,
                  compare_fit: bool, llama_bin: str | None, rpc: str | None, as_json: bool, **opts: Any) -> None:
@@ -271,9 +272,9 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
 
     if table:
         if spec is None:
-            from ..machine.probe import probe
+            from ..profile.apps import this_machine
 
-            spec = whatif.from_machine(probe(llama=False))
+            spec = whatif.from_machine(this_machine())
         contexts = fit.contexts_for(info)
         rows = fit.quantization_table(info, spec, contexts, settings, margin=margin)
         data = {"machine": spec.to_dict(), "model": Path(info.path).name, "quantization": info.quantization,

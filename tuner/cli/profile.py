@@ -128,9 +128,12 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         profile = entry.profile
         match = ""
         if profile is not None and machine is not None:
-            if profile.machine.fingerprint == machine.fingerprint():
+            from ..machine.identity import match as identity_match
+
+            how = identity_match(profile.machine, machine)
+            if how in ("fingerprint", "legacy fingerprint"):
                 match = "this machine"
-            elif profile.machine.hardware_class == machine.hardware_class():
+            elif how in ("class", "legacy class"):
                 match = "same hardware class"
             else:
                 continue
@@ -313,7 +316,10 @@ def check_command(ctx: click.Context, model_path: str, strict: bool) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ProfileWarning)
         try:
-            p = load_profile(model_path, machine=_machine(ctx), strict=strict)
+            # no injected machine: load_profile probes this one as an app does (and, for a profile measured
+            # with llama.cpp binaries, as those binaries see it)
+            injected = ctx.obj.get("machine") if isinstance(ctx.obj, dict) else None
+            p = load_profile(model_path, machine=injected, strict=strict)
         except TunerError as exc:
             _show_warnings(caught)
             raise ProfileCommandError(str(exc)) from None

@@ -56,6 +56,9 @@ class DeviceInfo:
     unified_memory: bool = False  # shares the host's RAM: an integrated GPU, Apple silicon
     ggml_name: str = ""  # ggml's own device name where it differs (RPC0 for RPC0[host:port]): what -dev takes
     rpc_endpoint: str | None = None
+    # ggml_backend_dev_props.device_id: the PCI bus id "domain:bus:device.function" (lower case) where the
+    # backend gives one (CUDA, ROCm, Vulkan with VK_EXT_pci_bus_info; 2025-2026); None otherwise
+    pci_bus_id: str | None = None
 
     @property
     def is_accelerator(self) -> bool:
@@ -109,6 +112,11 @@ _METAL_UNIFIED = re.compile(r"(?:has unified memory|hasUnifiedMemory)\s*=\s*(?P<
 # ggml-cuda built for HIP (2025-2026): "  Device %d: %s, %s (0x%x), VMM: %s, Wave Size: %d" with the
 # gfx target as the second field.
 _ROCM_DEVICE = re.compile(r"^\s+Device (?P<i>\d+): .*?, (?P<gfx>gfx[0-9a-f]+)\b")
+
+
+# Intel's integrated GPUs by name (UHD, Iris Xe, and the Arc of Meteor/Lunar/Arrow Lake, which has no
+# model number): what ggml-sycl reports as GGML_BACKEND_DEVICE_TYPE_IGPU, 2026.
+_INTEL_IGPU = re.compile(r"Intel\(R\) (?:UHD|Iris|HD)\b|Intel\(R\) Arc\(TM\) (?:\d+V\b|Graphics\b)|Intel\(R\) Graphics\b")
 
 
 def parse_list_devices(text: str) -> list[DeviceInfo]:
@@ -169,6 +177,10 @@ def parse_list_devices(text: str) -> list[DeviceInfo]:
             kind, unified = "igpu", True
         elif name in apu:
             kind, unified = "igpu", True
+        elif backend == "SYCL" and _INTEL_IGPU.search(desc):
+            # --list-devices does not print the type ggml-sycl gives an integrated GPU (Level Zero's
+            # "not discrete"): Intel's integrated GPUs are known by their names
+            kind, unified = "igpu", True
         out.append(DeviceInfo(label, desc, kind, free, total, backend, unified, ggml_name, endpoint))
     return out
 
@@ -196,8 +208,9 @@ def devices_from_log(text: str) -> list[DeviceInfo]:
         backend = backend_of(name)
         integrated = bool(uma.get(name))
         unified = integrated or backend == "Metal"
+        pci = m["pci"] if m["pci"] and m["pci"] != "unknown id" else None
         out[name] = DeviceInfo(name, m["desc"], "igpu" if integrated else "gpu", int(m["free"]) * MiB, None, backend,
-                               unified)
+                               unified, pci_bus_id=pci)
     return list(out.values())
 
 

@@ -229,7 +229,7 @@ class Dimension:
     """One setting, declared once. See the module docstring for who reads what."""
 
     name: str
-    kind: str  # path | int | count | bool | choice | proportions | patterns | endpoints
+    kind: str  # path | int | count | bool | choice | proportions | patterns | endpoints | devices
     default: Any
     check: Callable[[Any], str | None] | None = None  # a value of the right kind -> why it is wrong
     choices: tuple[str, ...] = ()
@@ -308,6 +308,15 @@ def _floats(text: Any) -> tuple[float, ...] | None:
 def _override_patterns(values: Sequence[str]) -> tuple[str, ...]:
     # -ot takes PATTERN=BUFFER; only the CPU is a target here, so a trailing =CPU is accepted
     return tuple(p[:-4] if p.upper().endswith("=CPU") else p for p in values)
+
+
+def _device_names(text: Any) -> tuple[str, ...]:
+    """``CUDA0,CUDA1`` (or llama-bench's ``CUDA0/CUDA1``) -> names; empty -> ()."""
+    if not text:
+        return ()
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    return tuple(n.strip() for n in str(text).replace("/", ",").split(",") if n.strip())
 
 
 def _endpoints(text: Any) -> tuple[str, ...]:
@@ -813,6 +822,30 @@ DIMENSIONS: tuple[Dimension, ...] = (
                       if s.rpc_servers else None),
         # the devices of the machine, not a choice: the space passes them through
         search=Search(applies=lambda f, c: False, fixed=lambda f, c: f.domain("rpc_servers")),
+    ),
+    Dimension(
+        # after rpc_servers: llama.cpp resolves -dev names while parsing, and RPC devices exist once --rpc
+        # (LLAMA_ARG_RPC, defined before LLAMA_ARG_DEVICE in common/arg.cpp) has registered them
+        "devices", "devices", (),
+        model_level=True,
+        option=Option(("--device", "-dev"), "Devices to offload to, by llama.cpp's names (CUDA0,CUDA1; as --list-devices prints them).",
+                      parse=_device_names),
+        no_kwarg=("llama-cpp-python's Llama takes no device list (its llama_model_params.devices is unused): llama.cpp's "
+                  "default selection picks the same devices on the machine that tuned (tuner.machine.devices.used_devices), "
+                  "and tuner.Llama warns where it would not"),
+        c_api_by_worker="a NULL-terminated ggml_backend_dev_t array llama_model_params.devices points at (ggml_backend_dev_by_name)",
+        flags={
+            **_server_cli(lambda s, e: ["-dev", ",".join(s.devices)] if s.devices else []),
+            # llama-bench splits list arguments on ',' (one value per run): its devices are '/'-separated
+            "llama-bench": lambda s, e: ["-dev", "/".join(s.devices)] if s.devices else [],
+        },
+        env=Env("LLAMA_ARG_DEVICE"),
+        ollama=Ollama(155, note=lambda s, e: (
+            f"devices {','.join(s.devices)}: ollama cannot be told which devices to use per model; it picks its GPUs "
+            "itself (limit them with CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES or GGML_VK_VISIBLE_DEVICES where "
+            "`ollama serve` runs)") if s.devices else None),
+        # the devices llama.cpp will use on the machine (the space's), not a choice: passed through and recorded
+        search=Search(applies=lambda f, c: False, fixed=lambda f, c: f.domain("devices")),
     ),
 )
 

@@ -101,6 +101,30 @@ class OverrideArray:
         return ctypes.addressof(self.array)
 
 
+class DeviceArray:
+    """The NULL-terminated ``ggml_backend_dev_t`` array ``llama_model_params.devices`` points at, from
+    llama.cpp's device names (what ``-dev`` takes), kept alive as long as this object lives."""
+
+    def __init__(self, names: tuple[str, ...] | list[str]) -> None:
+        from ..errors import SettingsError
+
+        ggml = load("ggml")
+        ggml.ggml_backend_dev_by_name.restype = ctypes.c_void_p
+        ggml.ggml_backend_dev_by_name.argtypes = [ctypes.c_char_p]
+        self.array = (ctypes.c_void_p * (len(names) + 1))()
+        for i, name in enumerate(names):
+            dev = ggml.ggml_backend_dev_by_name(name.encode())
+            if not dev:
+                listed = ", ".join(d["name"] for d in list_devices() if d["type"] != "cpu") or "none"
+                raise SettingsError(f"devices[{i}]", f"llama.cpp has no device {name!r} here (it lists: {listed})")
+            self.array[i] = dev
+        self.array[len(names)] = None
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+
 def list_devices() -> list[dict]:
     """Every device llama.cpp's registry holds now: name, description, type, memory, backend.
 
@@ -108,8 +132,12 @@ def list_devices() -> list[dict]:
     RPC device's ``name`` is the label its buffers carry (``RPC0[host:port]``), its ggml name in
     ``ggml_name``. ``tuner.engine.devices.DeviceInfo.from_dict`` reads each entry.
     """
+    from .recorded import recorded_machine
     from .devices import backend_of, rpc_label
 
+    recorded = recorded_machine()
+    if recorded is not None:  # a test seam: a recorded machine's devices (RPC servers register with --rpc only)
+        return [d.to_dict() for d in recorded.devices() if d.backend != "RPC"]
     ggml = load("ggml")
     base = load("ggml-base")
     ggml.ggml_backend_dev_count.restype = ctypes.c_size_t
@@ -126,6 +154,10 @@ def list_devices() -> list[dict]:
     base.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
     base.ggml_backend_reg_name.restype = ctypes.c_char_p
     base.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    get_props = getattr(base, "ggml_backend_dev_get_props", None)
+    if get_props is not None:
+        get_props.restype = None
+        get_props.argtypes = [ctypes.c_void_p, ctypes.POINTER(DevProps)]
     out = []
     per_endpoint: dict[str, int] = {}
     for i in range(ggml.ggml_backend_dev_count()):
@@ -148,7 +180,13 @@ def list_devices() -> list[dict]:
             "unified_memory": kind == 2 or backend_of(name) == "Metal",
             "ggml_name": "",
             "rpc_endpoint": None,
+            "pci_bus_id": None,
         }
+        if get_props is not None:
+            props = DevProps()
+            get_props(dev, ctypes.byref(props))
+            if props.device_id:
+                entry["pci_bus_id"] = props.device_id.decode(errors="replace")[:64]
         if entry["backend"] == "RPC":
             # ggml-rpc: device name "RPC<n>" numbered across servers, description the endpoint;
             # buffers are labelled by the device's index within its server.
@@ -158,6 +196,25 @@ def list_devices() -> list[dict]:
             entry.update(name=rpc_label(index, endpoint), ggml_name=name, rpc_endpoint=endpoint, unified_memory=False)
         out.append(entry)
     return out
+
+
+class DevProps(ctypes.Structure):
+    # struct ggml_backend_dev_props (ggml/include/ggml-backend.h, as vendored by llama-cpp-python 0.3.36):
+    # name, description, memory_free, memory_total, type, device_id (the PCI bus id or NULL), caps
+    _fields_ = [
+        ("name", ctypes.c_char_p),
+        ("description", ctypes.c_char_p),
+        ("memory_free", ctypes.c_size_t),
+        ("memory_total", ctypes.c_size_t),
+        ("type", ctypes.c_int),
+        ("device_id", ctypes.c_char_p),
+        ("caps_async", ctypes.c_bool),
+        ("caps_host_buffer", ctypes.c_bool),
+        ("caps_buffer_from_host_ptr", ctypes.c_bool),
+        ("caps_events", ctypes.c_bool),
+        ("caps_mmap_support", ctypes.c_bool),
+        ("_room", ctypes.c_char * 64),  # a newer ggml may add fields: the callee writes into our memory
+    ]
 
 
 class ThreadpoolParams(ctypes.Structure):

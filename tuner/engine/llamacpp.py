@@ -257,11 +257,20 @@ class LlamaCppEngine(Engine):
             return list(self._devices[key])
         rpc = ["--rpc", ",".join(rpc_servers)] if rpc_servers else []
         last = ""
+        from .recorded import recorded_machine
+
+        recorded = recorded_machine()  # a test seam: a recorded machine's --list-devices output
         for tool in (*COMMON_PARSERS, "llama-bench"):
             path = self.binaries.get(tool)
             if path is None:
                 continue
-            proc = self._run_tool(path, [*rpc, "--list-devices"])
+            if recorded is not None:
+                text = recorded.list_devices_text() or ""
+                if not rpc_servers:  # RPC servers are listed only when --rpc names them
+                    text = "\n".join(line for line in text.splitlines() if not re.match(r"\s+RPC", line))
+                proc = subprocess.CompletedProcess([], 0, text, "")
+            else:
+                proc = self._run_tool(path, [*rpc, "--list-devices"])
             text = proc.stdout + "\n" + proc.stderr
             if proc.returncode == 0 and "Available devices:" in text:
                 found = [d for d in parse_list_devices(text) if d.type != "cpu"]
@@ -681,7 +690,7 @@ def _non_default(dim: Any) -> Settings | None:
     candidates: list[Any] = {
         "bool": [not default], "int": [number, 1, 2], "count": [number, 1, 2],
         "choice": [c for c in dim.choices if c != default][:1], "proportions": [(1.0, 1.0)],
-        "patterns": [("x",)], "endpoints": [("127.0.0.1:1",)],
+        "patterns": [("x",)], "endpoints": [("127.0.0.1:1",)], "devices": [("CUDA0",)],
     }.get(dim.kind, [])
     for value in candidates:
         try:

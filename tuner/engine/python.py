@@ -98,13 +98,14 @@ class TrialRunner(Engine):
         from .rpc import query_devices
 
         out = [DeviceInfo.from_dict(d) for d in self._probe().get("devices", [])]
-        for entry in query_devices(tuple(rpc_servers)) if rpc_servers else []:
+        for i, entry in enumerate(query_devices(tuple(rpc_servers)) if rpc_servers else []):
             if "error" in entry:
                 raise RPCError(f"RPC server {entry['endpoint']}: {entry['error']}; start it with `offload-tuner rpc-serve`",
                                reason=entry["error"])
             out.append(DeviceInfo(name=entry["name"], description=entry.get("description", entry["endpoint"]), type="gpu",
                                   memory_free=int(entry["memory_free"]), memory_total=int(entry["memory_total"]),
-                                  backend="RPC", ggml_name="RPC0", rpc_endpoint=entry["endpoint"]))
+                                  # ggml numbers RPC devices across servers, in the order --rpc registers them
+                                  backend="RPC", ggml_name=f"RPC{i}", rpc_endpoint=entry["endpoint"]))
         return out
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -413,13 +414,19 @@ try:
     out["backends"] = backends
     # llama.cpp's own version (llama_version(), 2026) and, where llama.cpp's common library was
     # installed beside it, the commit and build number it was compiled from.
-    try:
-        lib = ctypes.CDLL(os.path.join(libdir, "libllama.so"))
-        lib.llama_version.restype = ctypes.c_char_p
-        out["version"] = lib.llama_version().decode()
-    except (OSError, AttributeError):
-        pass
-    for common in (os.path.join(libdir, "libllama-common.so"), os.path.join(sysconfig.get_paths()["purelib"], "lib", "libllama-common.so")):
+    # the library names of this platform (libllama.so on Linux, libllama.dylib on macOS, llama.dll)
+    names = {"linux": ("lib{}.so",), "darwin": ("lib{}.dylib", "lib{}.0.dylib"), "win32": ("{}.dll",)}.get(sys.platform, ("lib{}.so",))
+    for name in names:
+        try:
+            lib = ctypes.CDLL(os.path.join(libdir, name.format("llama")))
+            lib.llama_version.restype = ctypes.c_char_p
+            out["version"] = lib.llama_version().decode()
+            break
+        except (OSError, AttributeError):
+            continue
+    commons = [os.path.join(d, n.format("llama-common")) for n in names
+               for d in (libdir, os.path.join(sysconfig.get_paths()["purelib"], "lib"))]
+    for common in commons:
         if os.path.exists(common):
             try:
                 c = ctypes.CDLL(common)

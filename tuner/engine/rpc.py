@@ -188,9 +188,20 @@ def query_devices(endpoints: Sequence[str], timeout_s: float = 30.0) -> list[dic
     An entry that could not be read has ``error``, in words."""
     root = str(Path(__file__).resolve().parent.parent)
     out = []
+    from .recorded import recorded_machine
+
+    recorded = recorded_machine()
     for endpoint in endpoints:
         entry: dict = {"endpoint": endpoint}
         out.append(entry)
+        if recorded is not None:  # a test seam: the RPC devices a recorded --list-devices printed
+            found = [d for d in recorded.devices() if d.rpc_endpoint == endpoint]
+            if found:
+                entry.update(name=found[0].name, description=found[0].description, memory_free=found[0].memory_free,
+                             memory_total=found[0].memory_total)
+            else:
+                entry["error"] = f"{endpoint} is not among the recorded machine's RPC devices"
+            continue
         why = unreachable(endpoint)
         if why:
             entry["error"] = why

@@ -33,7 +33,9 @@ from .dimensions import (
 MODEL_KEYS = tuple(d.name for d in DIMENSIONS if d.model_level)
 
 # fields held as tuples (JSON gives lists)
-_SEQUENCES = tuple(d.name for d in DIMENSIONS if d.kind in ("proportions", "patterns", "endpoints"))
+_SEQUENCES = tuple(d.name for d in DIMENSIONS if d.kind in ("proportions", "patterns", "endpoints", "devices"))
+# a ggml device name as -dev takes it: CUDA0, Vulkan1, MTL0, ROCm0, SYCL0, RPC2 (fullmatch)
+_DEVICE_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 _RPC_RE = re.compile(r"[A-Za-z0-9.\-\[\]:]{1,255}:\d{1,5}")  # fullmatch: "$" would take a trailing newline
 
 
@@ -70,6 +72,7 @@ class Settings:
     n_cpu_moe: int = 0
     repack: bool = True
     rpc_servers: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()  # llama.cpp's devices to offload to, by ggml name; () = llama.cpp's choice
 
     def __post_init__(self) -> None:
         # Accept lists (from JSON) but store tuples so the dataclass stays hashable.
@@ -234,6 +237,14 @@ def _check(kind: str, value: Any, dim: Any) -> tuple[str, str] | None:
             if (not isinstance(server, str) or not _RPC_RE.fullmatch(server)
                     or not limits.MIN_PORT <= int(server.rsplit(":", 1)[1]) <= limits.MAX_PORT):
                 return f"{name}[{i}]", f"expected host:port (port {limits.MIN_PORT}-{limits.MAX_PORT}), got {_short(server)}"
+    elif kind == "devices":
+        if not isinstance(value, (tuple, list)) or len(value) > limits.MAX_DEVICES:
+            return name, f"expected a list of at most {limits.MAX_DEVICES} device names, got {_short(value)}"
+        for i, device in enumerate(value):
+            if not isinstance(device, str) or not _DEVICE_RE.fullmatch(device) or device.upper() == "CPU":
+                return f"{name}[{i}]", f"expected a llama.cpp device name such as CUDA0 or Vulkan1 (not CPU), got {_short(device)}"
+        if len(set(value)) != len(value):
+            return name, f"a device is named twice: {_short(list(value))}"
     else:  # pragma: no cover - a table entry of an unknown kind
         raise AssertionError(f"dimension {name}: unknown kind {kind!r}")
     if dim.check is not None and value is not None:

@@ -133,6 +133,12 @@ class Worker:
             split = (ctypes.c_float * n)(*([float(x) for x in settings.tensor_split] + [0.0] * n)[:n])
             params.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
             keep.append(split)
+        if settings.devices:
+            from .ggml import DeviceArray
+
+            devices = DeviceArray(settings.devices)
+            params.devices = devices.address
+            keep.append(devices)
         if settings.host_overrides:
             from .ggml import OverrideArray
 
@@ -365,20 +371,29 @@ class DecodeError(Exception):
 
 
 
+_TRIALS = {"measured": 0, "reset": False}
+
+
 def _reset_peak_rss() -> None:
+    _TRIALS["measured"] += 1
     try:  # Linux: writing 5 resets VmHWM, so each trial reports its own peak
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
+        _TRIALS["reset"] = True
     except OSError:
-        pass
+        _TRIALS["reset"] = False
 
 
 def _peak_rss() -> int | None:
     from .process import status_bytes
 
     peak = status_bytes("VmHWM")
-    if peak is not None:
+    if peak is not None and (_TRIALS["reset"] or _TRIALS["measured"] <= 1):
         return peak
+    if _TRIALS["measured"] > 1:
+        # ru_maxrss (macOS) and an unreset VmHWM are the peak of the worker's whole life: in a reused
+        # worker that is an earlier trial's; the parent's RSS sampler gives this trial's instead
+        return None
     try:
         import resource
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
-import json
 import os
 import platform
 import subprocess
@@ -48,6 +46,7 @@ class GPU:
     memory_free: int  # bytes, at probe time
     driver: str
     processes: tuple[GPUProcess, ...] = ()
+    pci_bus_id: str | None = None  # "0000:01:00.0": how llama.cpp's CUDA devices are matched to NVML's
 
 
 @dataclass(frozen=True)
@@ -94,33 +93,26 @@ class Machine:
 
         return [d for d in self.devices if DeviceInfo.from_dict(d).is_accelerator]
 
-    # -- identity ------------------------------------------------------------------------------
+    # -- identity (tuner.machine.identity computes it; these are shorthands) ----------------------
 
     def fingerprint(self) -> str:
         """Stable identity of this machine: changes when its hardware changes, not its load."""
-        parts = {
-            "cpu_model": self.cpu_model,
-            "physical_cores": self.physical_cores,
-            "logical_cores": self.logical_cores,
-            "ram_gib": round(self.ram_total / GiB),
-            "gpus": [[g.name, g.uuid, g.memory_total] for g in self.gpus] or self._local_accelerators(),
-            "unified_memory": self.unified_memory,
-        }
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        from .identity import fingerprint
+
+        return fingerprint(self)
 
     def hardware_class(self) -> str:
         """Identity of the kind of machine: same GPU models and memory, wherever they are."""
-        parts = {
-            "gpus": sorted([g.name, g.memory_total] for g in self.gpus) or sorted(self._local_accelerators()),
-            "unified_memory": self.unified_memory,
-        }
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+        from .identity import hardware_class
 
-    def _local_accelerators(self) -> list[list[Any]]:
-        # Without NVML (Apple silicon, AMD, Intel), the machine's GPUs are the ones llama.cpp lists;
-        # RPC servers are other machines, not this one. With NVML the identity stays NVML's, so an
-        # NVIDIA machine keeps its fingerprint whichever engine probed it.
-        return [[d.get("description", ""), d.get("memory_total")] for d in self.accelerators() if not d.get("rpc_endpoint")]
+        return hardware_class(self)
+
+    def used_accelerators(self) -> list[dict]:
+        """The accelerators llama.cpp will offload to when not told, in its order (``tuner.machine.devices``)."""
+        from .devices import used_devices
+
+        by_name = {e.get("name"): e for e in self.devices}
+        return [dict(by_name[d.name]) for d in used_devices(self.devices)]
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -139,6 +131,7 @@ class Machine:
                 memory_free=g.get("memory_free", g["memory_total"]),
                 driver=g.get("driver", ""),
                 processes=tuple(GPUProcess(**p) for p in g.get("processes", ())),
+                pci_bus_id=g.get("pci_bus_id"),
             )
             for g in data.get("gpus", ())
         )
@@ -165,6 +158,11 @@ class Machine:
 
 
 def cpu_model() -> str:
+    from ..engine.recorded import recorded_machine
+
+    recorded = recorded_machine()
+    if recorded is not None and recorded.cpu().get("model"):  # a test seam
+        return str(recorded.cpu()["model"])
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             for line in handle:
@@ -184,6 +182,11 @@ def cpu_model() -> str:
 
 def probe_gpus() -> tuple[tuple[GPU, ...], str]:
     """GPUs through NVML. Returns (gpus, status) where status says what happened, in words."""
+    from ..engine.recorded import recorded_machine
+
+    recorded = recorded_machine()
+    if recorded is not None:  # a test seam: NVML as recorded (nvml.json), or no NVIDIA driver
+        return _recorded_gpus(recorded)
     try:
         import pynvml
     except ImportError:
@@ -207,6 +210,7 @@ def probe_gpus() -> tuple[tuple[GPU, ...], str]:
                     memory_free=int(memory.free),
                     driver=driver,
                     processes=_gpu_processes(pynvml, handle),
+                    pci_bus_id=_pci_bus_id(pynvml, handle),
                 )
             )
         status = f"NVML {driver}: {len(gpus)} GPU(s)" if gpus else f"NVML {driver}: the driver reports no GPU"
@@ -218,6 +222,27 @@ def probe_gpus() -> tuple[tuple[GPU, ...], str]:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def _pci_bus_id(pynvml: Any, handle: Any) -> str | None:
+    from .devices import normalize_pci
+
+    try:
+        return normalize_pci(_text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+    except (pynvml.NVMLError, AttributeError):
+        return None
+
+
+def _recorded_gpus(recorded: Any) -> tuple[tuple[GPU, ...], str]:
+    from .devices import normalize_pci
+
+    listed = recorded.nvml()
+    if listed is None:
+        return (), f"NVML unavailable (recorded machine {recorded.kind}): no NVIDIA driver on this machine, so no NVIDIA GPU is visible"
+    gpus = tuple(GPU(index=i, name=str(g.get("name", "")), uuid=str(g.get("uuid", "")), memory_total=int(g.get("memory_total", 0)),
+                     memory_free=int(g.get("memory_free", g.get("memory_total", 0))), driver="recorded",
+                     pci_bus_id=normalize_pci(g.get("pci_bus_id"))) for i, g in enumerate(listed))
+    return gpus, f"NVML (recorded machine {recorded.kind}): {len(gpus)} GPU(s)"
 
 
 def _gpu_processes(pynvml: Any, handle: Any) -> tuple[GPUProcess, ...]:
@@ -298,18 +323,17 @@ def build_of_engine(build: Any, devices: list[Any]) -> LlamaBuild:
 
 
 def _enrich_with_nvml(devices: list[Any], gpus: tuple[GPU, ...]) -> list[dict]:
-    """Each NVIDIA device llama.cpp lists, with the NVML index of the same GPU (by name, in order):
-    NVML then says who holds its memory and samples its peak use."""
-    taken: set[int] = set()
+    """Each device llama.cpp lists, with the NVML index of the same GPU where they pair for sure (by PCI bus
+    id, or CUDA's order: ``tuner.machine.devices.match_nvml``): NVML then says who holds its memory, its
+    free memory now, and samples its peak use."""
+    from .devices import match_nvml
+
+    paired = match_nvml(devices, gpus)
     out = []
     for device in devices:
         entry = device.to_dict()
-        if not device.rpc_endpoint and device.backend in ("CUDA", "Vulkan", "SYCL", "OpenCL"):
-            for gpu in gpus:
-                if gpu.index not in taken and gpu.name and gpu.name in device.description:
-                    entry["nvml_index"] = gpu.index
-                    taken.add(gpu.index)
-                    break
+        if device.name in paired:
+            entry["nvml_index"] = paired[device.name]
         out.append(entry)
     return out
 
@@ -343,6 +367,9 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
                 except TunerError as exc:
                     rpc_list.append({"endpoint": endpoint, "error": getattr(exc, "reason", None) or str(exc)})
                     continue
+                # ggml numbers RPC devices across servers in the order --rpc registers them (RPC0, RPC1...)
+                n_rpc = sum(1 for d in devices if d.rpc_endpoint)
+                found = [dataclasses.replace(d, ggml_name=f"RPC{n_rpc + k}") for k, d in enumerate(found)]
                 devices += found
                 rpc_list += [{"endpoint": d.rpc_endpoint, "name": d.name, "description": d.description,
                               "memory_free": d.memory_free, "memory_total": d.memory_total} for d in found]
@@ -350,6 +377,7 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
                     rpc_list.append({"endpoint": endpoint, "error": "no device reported"})
             rpc_devices = tuple(rpc_list)
             eb = engine.build()
+            _remember_devices(engine, [d for d in devices if not d.rpc_endpoint])
             if engine.name == "python":
                 build = _llama_build(engine._probe())
             else:
@@ -362,16 +390,22 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
         from ..engine.rpc import query_devices
 
         rpc_devices = tuple(query_devices(rpc_servers))
+    from ..engine.recorded import recorded_machine
+
+    recorded = recorded_machine()
+    cpu = recorded.cpu() if recorded is not None else {}  # a test seam: the recorded machine's CPU and RAM
+    ram_total = int(cpu.get("ram_total") or memory.total)
     machine = Machine(
         cpu_model=cpu_model(),
-        physical_cores=psutil.cpu_count(logical=False) or psutil.cpu_count() or 1,
-        logical_cores=psutil.cpu_count() or 1,
-        ram_total=int(memory.total),
-        ram_available=int(memory.available),
+        physical_cores=cpu.get("physical_cores") or psutil.cpu_count(logical=False) or psutil.cpu_count() or 1,
+        logical_cores=cpu.get("logical_cores") or psutil.cpu_count() or 1,
+        ram_total=ram_total,
+        ram_available=min(int(memory.available), ram_total),
         gpus=gpus,
         gpu_status=status,
-        system=platform.system(),
-        arch=platform.machine(),
+        system=(recorded.platform() if recorded is not None else None) or platform.system(),
+        arch=(platform.machine() if recorded is None or recorded.platform() != "Darwin"
+              else "arm64" if "Apple" in cpu_model() else "x86_64"),
         llama=build,
         rpc_devices=rpc_devices,
         engine=engine_build,
@@ -380,8 +414,52 @@ def probe(*, llama: bool = True, rpc_servers: tuple[str, ...] = (), engine: Any 
     return with_devices(machine, devices)
 
 
+def app_machine(llama_bin: Any = None) -> Machine:
+    """This machine as the llama.cpp an app runs sees it (``llama_bin``: the binaries' folder; by default
+    llama-cpp-python), without paying llama.cpp's start-up more than once per boot: its devices come from
+    ``tuner.machine.devices.app_devices`` (cached in the data folder per boot, build and device
+    environment); NVML, the CPU and RAM are read now. The identity (``tuner.machine.identity``) is the
+    one the tuner computed. ``tuner.profile.apps.this_machine`` is this."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from ..engine.devices import DeviceInfo
+    from .devices import app_devices
+
+    machine = probe(llama=False)
+    found = app_devices(llama_bin)
+    machine = with_devices(machine, [DeviceInfo.from_dict(d) for d in found.get("devices", [])])
+    if found.get("error"):
+        machine = dataclasses.replace(machine, gpu_status=f"{machine.gpu_status}; llama.cpp's devices could not be read "
+                                                          f"({found['source']}: {found['error']})")
+    if llama_bin is not None:
+        return machine
+    try:
+        return dataclasses.replace(machine, llama=LlamaBuild(llama_cpp_python=version("llama_cpp_python")))
+    except PackageNotFoundError:
+        return machine
+
+
+def _remember_devices(engine: Any, devices: list[Any]) -> None:
+    """The devices a tune's probe found, in this boot's device cache (``tuner.machine.devices``), so the
+    app that loads its profile need not start llama.cpp to see them."""
+    from .devices import cache_key, store_devices
+
+    if engine.name == "python" and getattr(engine, "env", os.environ) == dict(os.environ):
+        key = cache_key(None)
+    elif engine.name == "llama-cpp" and getattr(engine, "binaries", None) is not None:
+        key = cache_key(engine.binaries.folder)
+    else:
+        return  # a simulated or scripted engine: not this machine's llama.cpp
+    store_devices({"devices": [d.to_dict() for d in devices], "source": f"the {engine.name} engine's probe"}, key)
+
+
 def with_devices(machine: Machine, devices: list[Any]) -> Machine:
-    """``machine`` with llama.cpp's devices (``DeviceInfo``s, NVML-enriched); a device llama.cpp flags
-    as sharing the host's memory makes the machine a unified-memory one."""
-    unified = machine.unified_memory or any(d.unified_memory for d in devices if d.is_accelerator)
-    return dataclasses.replace(machine, devices=tuple(_enrich_with_nvml(devices, machine.gpus)), unified_memory=unified)
+    """``machine`` with llama.cpp's devices (``DeviceInfo``s, NVML-enriched). The machine is a
+    unified-memory one when every local device llama.cpp will use shares the host's RAM
+    (``tuner.machine.identity.unified``): an iGPU beside a discrete GPU does not make it one."""
+    from .identity import unified
+
+    if not devices:
+        return machine
+    out = dataclasses.replace(machine, devices=tuple(_enrich_with_nvml(devices, machine.gpus)))
+    return dataclasses.replace(out, unified_memory=unified(out))

@@ -118,6 +118,16 @@ def from_machine(machine: Any, *, source: str = "this machine") -> MachineSpec:
     """A probed ``Machine`` (``tuner.machine.probe``): free memory of its GPUs now, its RPC devices."""
     devices: dict[str, int] = {}
     names: dict[str, str] = {}
+    used = machine.used_accelerators() if getattr(machine, "devices", ()) else []
+    if used:  # llama.cpp's devices, as it will use them; NVML's free memory now where it pairs with one
+        gpus = {g.index: g for g in machine.gpus}
+        for d in used:
+            gpu = gpus.get(d.get("nvml_index"))
+            free = gpu.memory_free if gpu is not None else d.get("memory_free") or d.get("memory_total") or 0
+            devices[d["name"]] = int(free)
+            names[d["name"]] = d.get("description") or d["name"]
+        ram = getattr(machine, "ram_available", None) or getattr(machine, "ram_total", None)
+        return MachineSpec(devices=devices, ram=int(ram) if ram else None, source=source, names=names)
     for gpu in machine.gpus:
         devices[f"CUDA{gpu.index}"] = int(gpu.memory_free)
         names[f"CUDA{gpu.index}"] = gpu.name

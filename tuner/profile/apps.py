@@ -20,10 +20,14 @@ change is listed in ``Profile.degradation``. ``strict=True`` raises ``ProfileMis
 The memory model (bytes, per device; devices are llama.cpp's names in ``memory.predicted``):
 
 - what the profile needs on a device is its recorded ``total`` (or the measured ``actual`` sum if larger);
-- ``CUDA1``, ``Vulkan0``, ``ROCm0``... map to ``machine.gpus[1]``, ``[0]``...; a device name without a
-  number (``Metal``) takes its place among the accelerators; ``RPC0[host:port]`` maps to the
-  ``machine.rpc_devices`` entry of that endpoint; ``CPU`` to ``machine.ram_available``; on a
-  unified-memory machine an accelerator that NVML does not list shares the RAM;
+- ``CUDA1``, ``Vulkan0``, ``ROCm0``, ``MTL0``... are llama.cpp's devices of that name here
+  (``machine.devices``): a device sharing the host's RAM (Apple silicon, an APU) is the RAM's pool (one
+  pool, as the tuner planned it); a device NVML pairs with (by PCI bus id) has NVML's free memory now;
+  any other has llama.cpp's own figure (``ggml_backend_dev_memory``). A device name without a number
+  (``Metal``, before ``MTL0``) takes its place among the accelerators llama.cpp will use;
+  ``RPC0[host:port]`` maps to the ``machine.rpc_devices`` entry of that endpoint; ``CPU`` to
+  ``machine.ram_available``. A machine without llama.cpp's devices (injected by a test) maps
+  ``CUDA1`` to ``machine.gpus[1]``;
 - on the host, weights read with mmap are file-backed pages and are not counted against free RAM;
 - a context smaller by ``d`` tokens frees ``kv_bytes_per_token_per_layer * layers_on_device * d``
   on each device holding KV (``layers_on_device`` is read from the recorded KV size), in llama.cpp's
@@ -93,7 +97,9 @@ def load_profile(
 ) -> Profile:
     """The best profile for this model file on this machine, checked (and if needed degraded) to fit now.
 
-    ``machine`` defaults to this machine (``tuner.hardware.probe(llama=False)``); tests inject one.
+    ``machine`` defaults to this machine as llama.cpp sees it (``this_machine``: its devices probed once per
+    boot and cached); tests inject one. A profile measured with llama.cpp binaries that are still where
+    it says is also matched against the machine as those binaries see it.
     When no local folder has one, the team's registry is asked (``registry``, by default
     ``OFFLOAD_TUNER_REGISTRY``; see ``tuner.profile.registry``), and its answer cached locally.
     ``llama_bin``: the folder of the llama.cpp binaries this app runs the profile with (llama-server...);
@@ -114,6 +120,15 @@ def load_profile(
         more, why = _match(list_profiles([cache]), folders, fingerprint, machine)
         candidates += more
         rejected += why
+    if not candidates and probed and llama_bin is None:
+        # A profile measured with the user's llama.cpp binaries (a Vulkan or ROCm build beside a CPU-only
+        # llama-cpp-python): this machine as those binaries see it, then the build warning says the rest.
+        for folder in _binaries_of(list_profiles(search_path), fingerprint):
+            there = this_machine(folder)
+            more, _ = _match(list_profiles(search_path), folders, fingerprint, there)
+            if more:
+                candidates, machine = more, dataclasses.replace(there, llama=machine.llama)
+                break
     if not candidates:
         raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
     best = min(candidates, key=lambda c: c[:4])[-1]
@@ -122,7 +137,8 @@ def load_profile(
 
 def _match(entries: list, folders: list, fingerprint: dict, machine: "Machine") -> tuple[list, list[str]]:
     """Profiles of ``entries`` for this model on this machine, ranked; and why the others are not."""
-    this_fp, this_class = machine.fingerprint(), machine.hardware_class()
+    from ..machine.identity import differences, match
+
     candidates = []
     rejected = []
     for order, entry in enumerate(entries):
@@ -131,31 +147,42 @@ def _match(entries: list, folders: list, fingerprint: dict, machine: "Machine") 
             rejected.append(f"  {entry.path}: unreadable: {entry.problem}")
             continue
         reason = model_mismatch(profile, fingerprint)
-        if reason is None and profile.machine.fingerprint != this_fp and profile.machine.hardware_class != this_class:
+        how = match(profile.machine, machine) if reason is None else None
+        if reason is None and how is None:
+            changed = differences(profile.machine, machine)
             reason = (
                 f"for another machine ({profile.machine.describe()}): neither its fingerprint {profile.machine.fingerprint} "
                 f"nor its hardware class {profile.machine.hardware_class} is this machine's"
+                + (f" ({'; '.join(changed)})" if changed else "")
             )
         if reason is not None:
             rejected.append(f"  {entry.path}: {reason}")
             continue
-        rank = 0 if profile.machine.fingerprint == this_fp else 1
+        rank = 0 if how in ("fingerprint", "legacy fingerprint") else 1
         folder = folders.index(entry.origin) if entry.origin in folders else len(folders)
         candidates.append((rank, folder, -_timestamp(profile.created_at), order, profile))
     return candidates, rejected
 
 
-def this_machine() -> "Machine":
-    """This machine, without starting llama.cpp: the llama-cpp-python version comes from its metadata."""
-    from importlib.metadata import PackageNotFoundError, version
+def _binaries_of(entries: list, fingerprint: dict) -> list[str]:
+    """The binaries' folders (still on this machine) that measured this model's profiles."""
+    out: list[str] = []
+    for entry in entries:
+        profile = entry.profile
+        engine = profile.engine if profile is not None else None
+        if (engine is not None and engine.name == "llama-cpp" and engine.path and os.path.isdir(engine.path)
+                and model_mismatch(profile, fingerprint) is None and engine.path not in out):
+            out.append(engine.path)
+    return out[:4]
 
-    from ..machine.probe import LlamaBuild, probe
 
-    machine = probe(llama=False)
-    try:
-        return dataclasses.replace(machine, llama=LlamaBuild(llama_cpp_python=version("llama_cpp_python")))
-    except PackageNotFoundError:
-        return machine
+def this_machine(llama_bin: str | os.PathLike[str] | None = None) -> "Machine":
+    """This machine as the llama.cpp an app runs sees it (``llama_bin``: the binaries' folder; by default
+    llama-cpp-python), without paying llama.cpp's start-up more than once per boot
+    (``tuner.machine.probe.app_machine``: its devices cached per boot, build and device environment)."""
+    from ..machine.probe import app_machine
+
+    return app_machine(llama_bin)
 
 
 def model_mismatch(profile: Profile, fingerprint: dict) -> str | None:
@@ -176,7 +203,7 @@ def model_mismatch(profile: Profile, fingerprint: dict) -> str | None:
 
 
 def _no_match_message(model_path: Any, fingerprint: dict, machine: "Machine", rejected: list[str], folders: list) -> str:
-    here = f"{machine.cpu_model}, {describe_gpus([(g.name, g.memory_total) for g in machine.gpus])}"
+    here = f"{machine.cpu_model}, {_describe_devices(machine)}"
     head = f"no profile for {fingerprint['file_name']} on this machine ({here})"
     advice = (
         f"Tune it here with `offload-tuner tune {os.fspath(model_path)}`, or add a team's profile folder "
@@ -186,6 +213,19 @@ def _no_match_message(model_path: Any, fingerprint: dict, machine: "Machine", re
         where = ", ".join(str(f) for f in folders) or "(an empty search path)"
         return f"{head}: no profiles found in {where}. {advice}"
     return f"{head}; {len(rejected)} profile(s) found, none matches:\n" + "\n".join(rejected) + f"\n{advice}"
+
+
+def _describe_devices(machine: "Machine") -> str:
+    """The GPUs llama.cpp will use here (NVML's where llama.cpp's devices are unknown), or ``no GPU``."""
+    from ..machine.identity import device_model
+
+    if not machine.devices:
+        return describe_gpus([(g.name, g.memory_total) for g in machine.gpus])
+    local = [d for d in machine.used_accelerators() if not d.get("rpc_endpoint")]
+    shared = [f"{device_model(d.get('description') or d['name'])} (shares the RAM)" for d in local if d.get("unified_memory")]
+    own = describe_gpus([(device_model(d.get("description") or d["name"]), int(d.get("memory_total") or 0))
+                         for d in local if not d.get("unified_memory")])
+    return ", ".join(shared + ([own] if own != "no GPU" or not shared else []))
 
 
 def _timestamp(created_at: str) -> float:
@@ -245,10 +285,13 @@ def _check(
         raise ProfileMismatchError(f"profile {profile.name} is {reason}; tune this file, or load the file that was tuned")
     if probed and profile.settings.rpc_servers and not machine.rpc_devices:
         machine = _with_rpc_devices(machine, profile.settings.rpc_servers)
-    if profile.machine.fingerprint != machine.fingerprint() and profile.machine.hardware_class != machine.hardware_class():
+    from ..machine.identity import differences, match
+
+    if match(profile.machine, machine) is None:
+        changed = differences(profile.machine, machine)
         warnings.warn(
             f"profile {profile.name} was tuned on another kind of machine ({profile.machine.describe()}); "
-            "its speeds were measured there",
+            "its speeds were measured there" + (f" ({'; '.join(changed)})" if changed else ""),
             ProfileWarning,
             stacklevel=3,
         )
@@ -402,7 +445,10 @@ class _Plan:
                     pool = None
                 else:
                     pool = by_key.setdefault(f"rpc:{endpoint}", _Pool(f"{name} ({info.get('name') or 'RPC'})", int(info["memory_free"])))
-            else:
+            elif machine.devices:
+                pool = self._device_pool(name, accelerator, by_key)
+                accelerator += 1
+            else:  # a machine without llama.cpp's devices (injected by a test): NVML's GPUs by index
                 numbered = _NUMBERED_DEVICE_RE.match(name)
                 index = int(numbered["index"]) if numbered else accelerator
                 accelerator += 1
@@ -422,6 +468,31 @@ class _Plan:
             pool.kv += predicted.kv
             pool.weights += weights
             pool.devices.append(name)
+
+    def _device_pool(self, name: str, position: int, by_key: dict[str, _Pool]) -> "_Pool | None":
+        """The pool of llama.cpp's device ``name`` here: the RAM for a device sharing it (one pool, as the
+        tuner planned), NVML's free memory now where NVML pairs with the device (by PCI bus id), else
+        llama.cpp's own figure (``ggml_backend_dev_memory``, as of the device probe)."""
+        machine = self.machine
+        listed = {d.get("name"): d for d in machine.devices}
+        entry = listed.get(name)
+        if entry is None and not _NUMBERED_DEVICE_RE.match(name):
+            used = machine.used_accelerators()  # "Metal" (a build before MTL0): its place among the accelerators
+            entry = used[position] if position < len(used) else None
+        if entry is None:
+            names = ", ".join(d["name"] for d in machine.used_accelerators()) or "none"
+            self.unknown.append(f"{name} (llama.cpp lists no such device here; it uses: {names})")
+            return None
+        label = f"{name} ({entry.get('description') or entry.get('name')})"
+        if entry.get("unified_memory"):
+            return self.host  # Apple silicon, an APU: the device's memory is the RAM, one pool
+        gpu = next((g for g in machine.gpus if g.index == entry.get("nvml_index")), None)
+        if gpu is not None:
+            return by_key.setdefault(f"gpu:{gpu.index}", _Pool(label, gpu.memory_free, gpu=gpu))
+        if entry.get("memory_free") is None:
+            self.unknown.append(f"{name} (llama.cpp gives no free memory for it)")
+            return None
+        return by_key.setdefault(f"dev:{name}", _Pool(label, int(entry["memory_free"])))
 
     @property
     def gpu_pools(self) -> list[_Pool]:
@@ -648,6 +719,7 @@ def Llama(
         message = repack_warning(profile, _llama_system_info(llama_cpp), machine)
         if message:
             warnings.warn(message, ProfileWarning, stacklevel=2)
+    _check_devices(profile)
     kwargs = {**profile.llama_kwargs(model_path), **overrides, "verbose": verbose}
     if kwargs.get("n_gpu_layers") and not llama_cpp.llama_supports_gpu_offload():
         message = (
@@ -680,13 +752,39 @@ def repack_warning(profile: Profile, system_info: str | None, machine: "Machine 
     cpu = CpuFeatures.parse(system_info)
     if cpu is None or not cpu.amx or not profile.settings.repack:
         return None
+    from ..machine.identity import match
+
     here = machine if machine is not None else this_machine()
-    if profile.machine.fingerprint == here.fingerprint():
+    if match(profile.machine, here) in ("fingerprint", "legacy fingerprint"):
         return None  # measured here with repacking on: it ran
     return (f"profile {profile.name} loads with weight repacking on, and this CPU has AMX (llama.cpp: AMX_INT8 = 1): "
             "llama.cpp repacks the CPU's weights into an AMX buffer and is known to crash at the first decode on some "
             "of these machines (ggml-org/llama.cpp#20824). If it does, load with repack=False "
             "(tuner.Llama(model, repack=False); llama-server --no-repack), or tune here: `offload-tuner tune` finds it")
+
+
+def _check_devices(profile: Profile) -> None:
+    """llama-cpp-python's Llama takes no device list: llama.cpp picks its devices itself. Warn when the
+    devices it will pick here (this process's ggml registry, llama_cpp being loaded already) are not the
+    profile's, so its tensor split would land on other devices than the ones tuned."""
+    wanted = [n for n in profile.settings.devices if not n.startswith("RPC")]
+    if not wanted or profile.settings.n_gpu_layers == 0:
+        return
+    from ..engine.ggml import list_devices
+    from ..machine.devices import used_devices
+
+    try:
+        here = [d.ggml_name or d.name for d in used_devices(list_devices()) if not d.rpc_endpoint]
+    except OSError:
+        return
+    if here != wanted:
+        warnings.warn(
+            f"profile {profile.name} was tuned on the devices {', '.join(wanted)}; llama.cpp here would use "
+            f"{', '.join(here) or 'none'} (llama-cpp-python cannot be told which): its layers and tensor split may "
+            "land elsewhere; limit the visible devices (CUDA_VISIBLE_DEVICES, GGML_VK_VISIBLE_DEVICES...) or tune here",
+            ProfileWarning,
+            stacklevel=3,
+        )
 
 
 # Llama keywords that are Settings fields of the same name and type: checked as the profile's own

@@ -73,7 +73,11 @@ memory arithmetic is then the same with or without a window, so the sizing it la
 ``n_cpu_moe`` 0 and ``kv_unified`` false. 1.3 added ``engine`` and ``machine.devices`` (an older profile
 reads with ``engine`` null: it was measured by the python engine, and no device list). 1.4 added
 ``settings.repack`` (llama.cpp's weight repacking, ``use_extra_bufts``; an older profile reads with it
-true, llama.cpp's default).
+true, llama.cpp's default) and 
+``settings.devices``: the devices llama.cpp offloads to, by the names ``-dev`` takes (``CUDA0``,
+``Vulkan1``, ``RPC0``), in its order; a profile without it reads with ``[]`` (llama.cpp's own choice).
+The machine's ``fingerprint`` and ``hardware_class`` are identity v2 (``tuner.machine.identity``) in
+profiles written now; one written before still matches this machine through ``legacy_identities``.
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -517,6 +521,14 @@ class Profile:
                 del out["machine"]["devices"]
             else:
                 out["schema_version"] = "1.3"
+        # 1.4's device list (settings.devices) likewise: left out of an older document that has none.
+        if _major_minor(out["schema_version"]) < (1, 4):
+            blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
+            if any(block.get("devices") for block in blocks):
+                out["schema_version"] = "1.4"
+            else:
+                for block in blocks:
+                    block.pop("devices", None)
         return out
 
     def validate(self) -> None:

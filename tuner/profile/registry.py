@@ -200,9 +200,9 @@ def pull(url: str, *, hardware_class: str | None = None, machine: Any = None, de
     (your profile folder), validated, duplicates skipped, nothing overwritten without ``force``."""
     if hardware_class is None:
         if machine is None:
-            from ..machine.probe import probe
+            from ..machine.probe import app_machine
 
-            machine = probe(llama=False)  # the class is the GPUs: no need to start llama.cpp
+            machine = app_machine()  # llama.cpp's devices, probed once per boot (tuner.machine.devices)
         hardware_class = machine.hardware_class()
     with _Registry(url) as registry:
         rows = registry.rows(registry.table.c.hardware_class == hardware_class)
@@ -239,6 +239,19 @@ def cache_dir(url: str) -> Path:
     return data_dir() / "registry" / key
 
 
+def _fingerprints(machine: Any) -> list[str]:
+    """This machine's fingerprint, and the one offload-tuner wrote before identity v2 (older profiles)."""
+    from ..machine.identity import legacy_identities
+
+    return list(dict.fromkeys([machine.fingerprint(), legacy_identities(machine)[0]]))
+
+
+def _classes(machine: Any) -> list[str]:
+    from ..machine.identity import legacy_identities
+
+    return list(dict.fromkeys([machine.hardware_class(), legacy_identities(machine)[1]]))
+
+
 def refresh_for_model(url: str, fingerprint: dict, machine: Any) -> Path:
     """Fetch the registry's profiles of this model for this machine or its hardware class into the
     cache folder and return the folder. When the registry cannot be reached, warn and return the
@@ -251,8 +264,8 @@ def refresh_for_model(url: str, fingerprint: dict, machine: Any) -> Path:
             from sqlalchemy import or_
 
             rows = registry.rows(t.c.model_header_hash == fingerprint["header_hash"], t.c.model_size == fingerprint["size"],
-                                 or_(t.c.machine_fingerprint == machine.fingerprint(),
-                                     t.c.hardware_class == machine.hardware_class()))
+                                 or_(t.c.machine_fingerprint.in_(_fingerprints(machine)),
+                                     t.c.hardware_class.in_(_classes(machine))))
     except StorageError as exc:  # unreachable, no driver, not a database...
         cached = [p for p in folder.glob("*.json")] if folder.is_dir() else []
         when = stamp.read_text(encoding="utf-8").strip() if stamp.is_file() else "an unknown time"

@@ -63,7 +63,11 @@ def profile_summary(profile: Any) -> str:
     """The line for a profile (``tune``'s result, ``profile show``): what the profile leaves free of
     each GPU's memory (its total less what the profile needs there; devices without a recorded
     total, such as RPC servers, are left out)."""
-    totals = {f"CUDA{g.index}": g.memory_total for g in profile.machine.gpus}
+    # llama.cpp's own totals by device name (1.3+); NVML's for older profiles. A device that shares the
+    # RAM has no memory of its own to leave free.
+    totals = {d.name: d.memory_total for d in profile.machine.devices if d.memory_total and not d.unified_memory}
+    if not profile.machine.devices:
+        totals = {f"CUDA{g.index}": g.memory_total for g in profile.machine.gpus}
     free: dict[str, int | None] = {}
     for device, predicted in profile.memory.predicted.items():
         if device in totals:

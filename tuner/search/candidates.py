@@ -102,9 +102,13 @@ class Candidates:
     where the backend needs less than the default."""
 
     def __init__(self, models: Mapping[str, ModelInfo], devices: Sequence[Device], ram_available: int, margin: int,
-                 *, calibrate: bool = False, peak_names: Mapping[str, str] | None = None, cpu: CpuFeatures | None = None) -> None:
+                 *, calibrate: bool = False, peak_names: Mapping[str, str] | None = None, cpu: CpuFeatures | None = None,
+                 shared_ram: Sequence[str] = ()) -> None:
         self.models = models
         self.cpu = cpu  # llama.cpp's CPU features: which weights it repacks (an extra host buffer)
+        # devices whose memory is the host's RAM (Apple silicon, an APU alone): one pool with the host,
+        # as at load (tuner.profile.apps): what they hold counts against the RAM too
+        self.shared_ram = tuple(shared_ram)
         self.devices = list(devices)
         self.margin = margin
         self.calibrate = calibrate
@@ -158,8 +162,11 @@ class Candidates:
                         f"({mem.weights / MiB:.0f} weights, {mem.kv / MiB:.0f} KV, {mem.compute / MiB:.0f} compute), "
                         f"{free / MiB:.0f} MiB free less a {self.margin_for(device) / MiB:.0f} MiB margin")
         host = est.devices[CPU].total
-        if host > self.free[CPU]:
-            return f"predicted not to fit in RAM: the host needs {host / MiB:.0f} MiB, {self.free[CPU] / MiB:.0f} MiB available"
+        shared = sum(est.devices[d].total for d in self.shared_ram if d in est.devices)
+        if host + shared > self.free[CPU]:
+            also = f" (with {shared / MiB:.0f} MiB of {', '.join(self.shared_ram)}, which shares it)" if shared else ""
+            return (f"predicted not to fit in RAM: the host needs {host / MiB:.0f} MiB{also}, "
+                    f"{self.free[CPU] / MiB:.0f} MiB available")
         for device, threshold in self.learned.items():
             need = est.devices.get(device)
             if need is not None and need.total >= threshold:
@@ -194,7 +201,7 @@ class Candidates:
             free = self.free.get(device)
             if free is not None and total > free - (self.margin_for(device) if device != CPU else 0):
                 return False
-        return True
+        return need.get(CPU, 0) + sum(need.get(d, 0) for d in self.shared_ram) <= self.free[CPU]
 
     def room(self, device: str) -> int:
         """The most a candidate may need on an accelerator: its free memory less the margin, and

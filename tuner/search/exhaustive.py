@@ -322,7 +322,8 @@ def optimum(space: SearchSpace, engine: RooflineEngine, bench: BenchSpec) -> Opt
         L = info.n_layer
         weights = {strategy: block.weights(strategy) for strategy in space.placements}
         for strategy, kqv, (kv, fa) in itertools.product(space.placements, space.offload_kqv, kv_fa):
-            base = dict(model_path=variant, flash_attn=fa, type_k=kv, type_v=kv, offload_kqv=kqv, rpc_servers=space.rpc_servers)
+            base = dict(model_path=variant, flash_attn=fa, type_k=kv, type_v=kv, offload_kqv=kqv, rpc_servers=space.rpc_servers,
+                        devices=space.device_names)
             states = _states(strategy, L, block.moe)
             times = {}
             for t in threads:

@@ -62,6 +62,7 @@ class Device:
     free: int  # bytes
     total: int
     rpc_endpoint: str | None = None
+    ggml_name: str = ""  # the name -dev takes where it differs from ``name`` (RPC0 for RPC0[host:port])
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,25 @@ class SearchSpace:
 
     @property
     def facts(self) -> Facts:
-        domains = {**self.domains, "model_path": self.variants, "rpc_servers": self.rpc_servers}
+        domains = {**self.domains, "model_path": self.variants, "rpc_servers": self.rpc_servers,
+                   "devices": self.device_names}
         return Facts(n_layer=self.n_layer, devices=tuple(d.name for d in self.devices), is_moe=self.is_moe,
                      has_swa=self.has_swa, domains=domains, supported=self.supported)
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        """The devices by the names ``-dev`` takes (``settings.devices``): ggml's, RPC servers' numbered
+        across servers in their order (``RPC0``, ``RPC1``) where the device does not say its own."""
+        names, rpc = [], 0
+        for d in self.devices:
+            if d.ggml_name:
+                names.append(d.ggml_name)
+            elif d.rpc_endpoint or "[" in d.name:
+                names.append(f"RPC{rpc}")
+            else:
+                names.append(d.name)
+            rpc += 1 if (d.rpc_endpoint or "[" in d.name) else 0
+        return tuple(names)
 
     @property
     def has_gpu(self) -> bool:
@@ -249,6 +266,7 @@ class SearchSpace:
             tensor_overrides=placement_patterns(placement, placement_layers),
             n_cpu_moe=n_cpu_moe,
             rpc_servers=self.rpc_servers,
+            devices=self.device_names,
         )
 
 
@@ -451,18 +469,18 @@ def _repack_why_not(models: Sequence[ModelInfo], devices: Sequence[Device], cpu:
 
 
 def devices_from(machine_devices: Sequence[Mapping[str, Any]]) -> list[Device]:
-    """The accelerators among llama.cpp's devices (``Machine.devices``), in llama.cpp's order, as the
-    search space plans with them: GPUs, integrated GPUs and RPC servers; not the CPU, and not the
-    compute-only devices without memory of their own (BLAS)."""
-    from ..engine.devices import DeviceInfo
+    """The accelerators among llama.cpp's devices (``Machine.devices``) that llama.cpp will use, in its
+    order (``tuner.machine.devices.used_devices``: RPC servers first, an integrated GPU only when there
+    is no other GPU, a card two backends list once), as the search space plans with them; not the CPU,
+    and not the compute-only devices without memory of their own (BLAS)."""
+    from ..machine.devices import used_devices
 
     out = []
-    for entry in machine_devices:
-        d = DeviceInfo.from_dict(entry)
+    for d in used_devices(machine_devices):
         if d.is_accelerator:
             total = d.memory_total if d.memory_total is not None else (d.memory_free or 0)
             out.append(Device(name=d.name, free=d.memory_free if d.memory_free is not None else total, total=total,
-                              rpc_endpoint=d.rpc_endpoint))
+                              rpc_endpoint=d.rpc_endpoint, ggml_name=d.ggml_name))
     return out
 
 
@@ -477,7 +495,7 @@ def rpc_devices_from(report: Sequence[Mapping[str, Any]]) -> list[Device]:
             raise RPCError(error if error.startswith("RPC server") else
                            f"RPC server {entry['endpoint']}: {error}; start it with `offload-tuner rpc-serve`")
         out.append(Device(name=f"RPC0[{entry['endpoint']}]", free=int(entry["memory_free"]), total=int(entry["memory_total"]),
-                          rpc_endpoint=entry["endpoint"]))
+                          rpc_endpoint=entry["endpoint"], ggml_name=f"RPC{len(out)}"))
     return out
 
 

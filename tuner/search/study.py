@@ -280,7 +280,8 @@ class Tuner:
         peak_names = {f"CUDA{d['nvml_index']}": d["name"] for d in self.machine.devices
                       if isinstance(d, dict) and d.get("nvml_index") is not None and d.get("name")}
         self.candidates = Candidates(self.models, self.devices, self.machine.ram_available, self.margin,
-                                     calibrate=self.calibrated, peak_names=peak_names, cpu=self.machine.cpu_features())
+                                     calibrate=self.calibrated, peak_names=peak_names, cpu=self.machine.cpu_features(),
+                                     shared_ram=[d["name"] for d in self.machine.used_accelerators() if d.get("unified_memory")])
         self.crashes = Crashes(cpu=self.machine.cpu_features())
         self.study_name = study_name or study_name_for(self.main, self.machine, self.space, objective, self.bench, min_ctx)
 
@@ -311,7 +312,8 @@ class Tuner:
             raise ModelError(ref.path, f"not the same model as {Path(self.main.path).name}: {why}")
         # On the accelerators when there are real ones (a model that does not fit is scored on the
         # CPU); simulated RPC devices would only be slower than the CPU behind them.
-        gpus = bool(self.machine.gpus) and self.machine.llama.gpu_offload
+        local = [d for d in self.machine.used_accelerators() if not d.get("rpc_endpoint")]
+        gpus = bool(local or (self.machine.gpus and not self.machine.devices)) and self.machine.llama.gpu_offload
         with QualityMeter(ref, corpus=corpus, n_ctx=n_ctx, chunks=chunks, engine=scorer, on_event=self.emit,
                           settings={"n_gpu_layers": -1 if gpus else 0}, timeout_s=self.trial_timeout) as meter:
             return meter.measure(infos)
