@@ -903,6 +903,7 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
 def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
     from .diagnose import register as register_diagnose
+    from .doctor import register as register_doctor
     from .profile import profile_group
     from .quality import quality_cmd
     from .report import report_cmd
@@ -910,6 +911,7 @@ def _mount_subcommands() -> None:
     cli.add_command(profile_group)
     cli.add_command(quality_cmd)
     register_diagnose(cli)
+    register_doctor(cli)
     cli.add_command(report_cmd)
 
 
