@@ -904,6 +904,7 @@ def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
     from .diagnose import register as register_diagnose
     from .doctor import register as register_doctor
+    from .mcp_server import register as register_mcp
     from .profile import profile_group
     from .quality import quality_cmd
     from .report import report_cmd
@@ -912,6 +913,7 @@ def _mount_subcommands() -> None:
     cli.add_command(quality_cmd)
     register_diagnose(cli)
     register_doctor(cli)
+    register_mcp(cli)
     cli.add_command(report_cmd)
 
 
