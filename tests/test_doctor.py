@@ -198,12 +198,20 @@ def test_storage_opens_and_a_damaged_or_unreachable_one_is_a_problem_without_its
 
 def test_the_registry_unset_reachable_and_unreachable(tmp_path, monkeypatch):
     assert doctor.check_registry().status == OK
-    check = doctor.check_registry(f"sqlite:///{tmp_path / 'registry.db'}")
-    assert check.status == OK and "0 profile(s)" in check.found
+    registry = f"sqlite:///{tmp_path / 'registry.db'}"
+    check = doctor.check_registry(registry)
+    assert check.status == OK and "no profile published yet" in check.found
+    from tests.test_profile import profile_dict
+    from tuner.profile.document import Profile
+    from tuner.profile.registry import publish
+
+    publish([Profile.from_dict(profile_dict())], registry)
+    assert "1 profile(s) in offload_tuner_profiles" in doctor.check_registry(registry).found
     pytest.importorskip("psycopg")
     monkeypatch.setenv("OFFLOAD_TUNER_REGISTRY", "postgresql://tuner:hunter2secret@127.0.0.1:9/tuning")
     gone = doctor.check_registry()
     assert gone.status == PROBLEM and "hunter2secret" not in gone.found + gone.fix and "***" in gone.found
+    assert "cannot reach the profile registry" in gone.found
 
 
 # -- llama.cpp binaries, profiles ----------------------------------------------------------------------------

@@ -324,6 +324,9 @@ def _this_machine_file() -> str:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle)
         _machine_file.append(path)
+        import atexit
+
+        atexit.register(lambda: os.path.exists(path) and os.unlink(path))
     return _machine_file[0]
 
 

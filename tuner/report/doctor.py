@@ -591,16 +591,35 @@ def check_registry(url: str | None = None, *, connect_timeout: int = 5) -> Check
     if not url:
         return Check("registry", OK, f"no profile registry configured ({ENV_REGISTRY} is not set): apps read local profiles")
     remember(url)
-    try:
-        from ..profile.registry import TABLE, _Registry
+    from ..profile.registry import TABLE
 
-        with _Registry(url, connect_timeout=connect_timeout) as registry:
-            count = len(registry.rows())
+    try:
+        # read-only: publishing creates the table; the doctor only looks
+        tables = _list_tables(url, connect_timeout)
+        count = _count_rows(url, TABLE, connect_timeout) if TABLE in tables else None
     except Exception as exc:
-        return Check("registry", PROBLEM, scrub(str(exc), [url]),
+        from ..profile.dburl import explain
+
+        return Check("registry", PROBLEM, scrub(str(explain(exc, url, what="profile registry")), [url]),
                      f"start the database or fix {ENV_REGISTRY}; until then apps use their cached copies of its "
                      "profiles (offload-tuner profile pull refreshes them)")
-    return Check("registry", OK, f"profile registry {redact_url(url)}: answers ({count} profile(s) in {TABLE})")
+    held = f"{count} profile(s) in {TABLE}" if count is not None else "no profile published yet"
+    return Check("registry", OK, f"profile registry {redact_url(url)}: answers ({held})")
+
+
+def _count_rows(url: str, table: str, connect_timeout: int) -> int:
+    import sqlalchemy
+
+    from ..profile.dburl import engine_kwargs, normalize_url
+
+    normalized = normalize_url(url)
+    engine = sqlalchemy.create_engine(normalized, **engine_kwargs(normalized, connect_timeout=connect_timeout))
+    try:
+        with engine.connect() as connection:
+            return int(connection.execute(sqlalchemy.select(sqlalchemy.func.count()).select_from(
+                sqlalchemy.table(table))).scalar_one())
+    finally:
+        engine.dispose()
 
 
 def check_llama_bin(llama_bin: str | os.PathLike[str] | None, gpus: Sequence[OSGPU]) -> tuple[Check, Any]:
