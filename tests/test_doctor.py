@@ -289,3 +289,25 @@ def test_doctor_json_finds_the_injected_gpu_and_exits_1(tmp_path):
                            env=env, timeout=300)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert "[ok] gpus:" in clean.stdout and "10 checks: 0 problem(s)" in clean.stdout
+
+
+def test_a_profile_of_the_users_binaries_against_the_binaries_found_now(build, tmp_path):
+    from tests.test_profile import profile_dict
+    from tuner.paths import profiles_dir
+
+    machine = doctor.this_machine(build)
+    mine = profile_dict(machine)
+    mine["engine"] = {"name": "llama-cpp", "build": "b1234 (deadbee)", "path": "/opt/llama.cpp/build/bin"}
+    (profiles_dir() / "bins.json").write_text(json.dumps(mine))
+    gone = doctor.check_profiles(machine, None)
+    assert gone.status == WARNING and "which are not found now" in gone.found
+    assert "offload-tuner tune Qwen3-8B-Q4_K_M.gguf --engine llama-cpp --llama-bin /opt/llama.cpp/build/bin" in gone.fix
+    folder = os.environ.get("OFFLOAD_TUNER_LLAMA_BIN")
+    if not folder or not (Path(folder) / "llama-bench").exists():
+        pytest.skip("OFFLOAD_TUNER_LLAMA_BIN has no llama-bench (.ci/run builds it)")
+    _, binaries = doctor.check_llama_bin(folder, [])
+    other = doctor.check_profiles(machine, binaries)
+    assert other.status == WARNING and f"are build {binaries.describe()}" in other.found
+    mine["engine"]["build"] = binaries.describe()
+    (profiles_dir() / "bins.json").write_text(json.dumps(mine))
+    assert doctor.check_profiles(machine, binaries).status == OK
