@@ -311,3 +311,23 @@ def test_a_profile_of_the_users_binaries_against_the_binaries_found_now(build, t
     mine["engine"]["build"] = binaries.describe()
     (profiles_dir() / "bins.json").write_text(json.dumps(mine))
     assert doctor.check_profiles(machine, binaries).status == OK
+
+
+@pytest.mark.parametrize("recorded, vendor, backends", [
+    ("metal-m4max-llama-bench.txt", "apple", ["cpu", "metal", "blas"]),
+    ("rocm-gfx1151-llama-cli.txt", "amd", ["cpu", "hip"]),
+    ("vulkan-rtx4060-laptop-llama-server.txt", "nvidia", ["cpu", "vulkan"]),
+])
+def test_gpu_builds_that_list_their_device_as_recorded_are_ok(recorded, vendor, backends):
+    from tuner.engine.devices import parse_list_devices
+
+    listed = parse_list_devices((DEVICES / recorded).read_text())
+    gpu_build = Build({"llama_cpp_python": "0.3.36", "rpc": False, "backends": backends,
+                       "devices": [d.to_dict() for d in listed]})
+    check = doctor.check_gpus([doctor.OSGPU(vendor, f"{vendor} GPU", "test")], gpu_build, env={})
+    assert check.status == OK, check.found
+    # the same machine with a CPU-only build is the problem, with that vendor's backend
+    cpu_only = Build({"llama_cpp_python": "0.3.36", "rpc": False, "backends": ["cpu"],
+                      "devices": [d.to_dict() for d in listed if d.type == "cpu"]})
+    problem = doctor.check_gpus([doctor.OSGPU(vendor, f"{vendor} GPU", "test")], cpu_only, env={})
+    assert problem.status == PROBLEM and doctor.CMAKE_FLAG[vendor] in problem.fix
