@@ -639,7 +639,7 @@ def check_llama_bin(llama_bin: str | os.PathLike[str] | None, gpus: Sequence[OSG
             folder = engine.binaries.folder
             tools = ", ".join(sorted(engine.binaries.tools))
     except TunerError as exc:
-        hint = ("pass --llama-bin DIR: the folder of llama-bench (llama.cpp/build/bin)" if isinstance(exc, EngineError)
+        hint = ("point --llama-bin at the folder that holds llama-bench (llama.cpp/build/bin)" if isinstance(exc, EngineError)
                 else "")
         return Check("llama_bin", PROBLEM, str(exc), hint), None
     accel = [d for d in devices if d.is_accelerator and not d.rpc_endpoint]
