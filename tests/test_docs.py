@@ -1,4 +1,5 @@
-"""Every command has help with an example, and the README names every command and tune flag."""
+"""Every command has help with an example; the documentation (the README and docs/) names every
+command and tune flag, and every option it shows on a command line exists."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from click.testing import CliRunner
 
 from tuner.cli.main import cli
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+DOCS = README + "".join(page.read_text() for page in PAGES)
 
 
 @pytest.mark.parametrize("name", sorted(cli.commands))
@@ -21,21 +25,47 @@ def test_command_help_has_an_example(name):
 
 
 @pytest.mark.parametrize("name", sorted(cli.commands))
-def test_readme_names_every_command(name):
-    assert f"offload-tuner {name}" in README or f"tuner {name}" in README, name
+def test_the_docs_name_every_command(name):
+    assert f"offload-tuner {name}" in DOCS or f"tuner {name}" in DOCS, name
 
 
-def test_readme_documents_the_tune_flags():
+def test_the_docs_document_the_tune_flags():
     tune = cli.commands["tune"]
     for param in tune.params:
         for flag in param.opts:
             if flag.startswith("--") and flag not in ("--help",):
                 if flag in ("--n-prompt", "--n-gen", "--repetitions", "--trial-timeout", "--seed", "--demo"):
-                    continue  # documented in --help; the README shows the main ones
-                assert flag in README, flag
+                    continue  # documented in --help; the docs show the main ones
+                assert flag in DOCS, flag
 
 
 def test_readme_test_command_is_what_ci_runs():
-    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q" in README and "python -m pytest -q" in ci
     assert re.search(r"CMAKE_ARGS=.*-DGGML_RPC=on", ci)
+
+
+def _command(words: list[str]):
+    """The click command ``offload-tuner WORDS...`` names (a group's subcommand too), and how many words it took."""
+    command, used = cli, 0
+    while used < len(words) and hasattr(command, "commands") and words[used] in command.commands:
+        command, used = command.commands[words[used]], used + 1
+    return (command, used) if command is not cli else (None, 0)
+
+
+def test_every_option_the_docs_show_on_a_command_line_exists():
+    """``offload-tuner CMD ... --flag`` in a code line of the docs: the flag is one of CMD's options."""
+    bad = []
+    for line in DOCS.splitlines():
+        for m in re.finditer(r"(?:offload-tuner|python -m tuner) ((?:[\w-]+ ?){1,2})(.*)", line):
+            words = m[1].split()
+            command, used = _command(words)
+            if command is None:
+                continue
+            rest = " ".join(words[used:]) + " " + m[2]
+            rest = re.split(r"\||&&|;|#|`|\)|\$\(", rest)[0]  # this command's own words only
+            known = {opt for p in command.params for opt in p.opts} | {"--help", "-h"}
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", rest):
+                if flag not in known:
+                    bad.append(f"{' '.join(words[:used])} {flag}: {line.strip()[:100]}")
+    assert bad == []

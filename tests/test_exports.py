@@ -100,7 +100,8 @@ def test_the_app_model_path_replaces_the_recorded_one():
 
 
 def test_an_unknown_format_is_refused():
-    with pytest.raises(ProfileError, match=r"^unknown export format 'vllm'; expected one of llama-server, llama-cli, llama-bench, ollama, env$"):
+    with pytest.raises(ProfileError, match=r"^unknown export format 'vllm'; expected one of llama-server, llama-cli, llama-bench, ollama, env, "
+                                           r"llama-swap, lmstudio, kcpps$"):
         export_args(simple_profile(), "vllm")
 
 
@@ -267,8 +268,11 @@ def _source(text: str, tmp_path: Path, how: str) -> subprocess.CompletedProcess:
                           env={"PATH": "/usr/bin:/bin", "ARGS": str(tmp_path / "args.txt"), "ENVS": str(tmp_path / "envs.txt")})
 
 
+SHELL_FORMATS = [f for f in FORMATS if f not in ("llama-swap", "lmstudio", "kcpps")]
+
+
 @pytest.mark.parametrize("how", ["source", "eval"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", SHELL_FORMATS)
 def test_every_export_of_a_hostile_profile_is_safe_to_source(tmp_path, fmt, how):
     marks = tmp_path / "ran"
     marks.mkdir()
@@ -340,3 +344,129 @@ def test_llama_cpp_takes_the_exported_device_list_after_the_rpc_servers(llama_pa
             flags = shlex.split(line.split("pass them as flags: ", 1)[1])
     assert exported["LLAMA_ARG_DEVICE"] == "RPC0,RPC1"
     assert parsed(harness, "llama-server", flags, exported)["device"] == "RPC0;RPC1"
+
+
+# -- llama-swap, LM Studio, koboldcpp ---------------------------------------------------------------------
+#
+# What each file is checked against, and what is not run here:
+# - llama-swap (Go; not installable from a package registry here): its config.yaml loader's rules,
+#   read from config/config.go (ModelConfig's yaml keys, ${PORT} in cmd when proxy uses it, cmd split
+#   POSIX-shell style), on the YAML as PyYAML reads it; the cmd's flags then go through llama.cpp's
+#   own llama-server parser (llama_parsers) where it can be built.
+# - LM Studio (a desktop app): the llm.load.* keys and value types of lmstudio-js's lms-kv-config
+#   schema (packages/lms-kv-config/src/schema.ts); LM Studio itself is not run.
+# - koboldcpp (not on PyPI: `pip download koboldcpp` finds nothing): the dest names and types of
+#   koboldcpp.py's argparse options (2026), which --config FILE.kcpps sets; koboldcpp is not run.
+
+# ModelConfig's yaml keys (llama-swap config/config.go)
+LLAMA_SWAP_MODEL_KEYS = {"cmd", "cmdStop", "proxy", "aliases", "env", "checkEndpoint", "ttl", "unlisted", "useModelName",
+                         "name", "description", "concurrencyLimit", "filters"}
+# llm.load.* keys LM Studio's schema declares for llama.cpp models, and the type of each value
+LMSTUDIO_KEYS = {
+    "llm.load.contextLength": int, "llm.load.offloadKVCacheToGpu": bool, "llm.load.numCpuExpertLayersRatio": (float, int, str),
+    "llm.load.llama.acceleration.offloadRatio": (float, int, str), "llm.load.llama.cpuThreadPoolSize": int,
+    "llm.load.llama.evalBatchSize": int, "llm.load.llama.flashAttention": bool, "llm.load.llama.keepModelInMemory": bool,
+    "llm.load.llama.tryMmap": bool, "llm.load.llama.kCacheQuantizationType": dict, "llm.load.llama.vCacheQuantizationType": dict,
+}
+# koboldcpp.py's argparse dests (2026) a .kcpps from this tool may set, with their types
+KCPPS_KEYS = {
+    "model": list, "model_param": str, "gpulayers": int, "maingpu": int, "tensor_split": list, "contextsize": int,
+    "batchsize": int, "threads": int, "blasthreads": int, "flashattention": bool, "noflashattention": bool, "quantkv": str,
+    "lowvram": bool, "useswa": bool, "usemmap": bool, "nommap": bool, "usemlock": bool, "overridetensors": str, "moecpu": int,
+    "usecuda": list, "usevulkan": list, "usecpu": bool,
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_the_llama_swap_entry_loads_as_llama_swap_reads_it(variant):
+    import shlex
+
+    import yaml
+
+    profile = PROFILES[variant]()
+    config = yaml.safe_load(export_args(profile, "llama-swap"))
+    (model_id, entry), = config["models"].items()
+    assert model_id == profile.name and set(entry) <= LLAMA_SWAP_MODEL_KEYS
+    # the default proxy is http://localhost:${PORT}: llama-swap refuses a cmd without ${PORT}
+    assert "${PORT}" in entry["cmd"]
+    argv = shlex.split(entry["cmd"].replace("${PORT}", "5800"))
+    assert argv == ["llama-server", "--port", "5800", *tool_args(profile, "llama-server")]
+
+
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_llama_server_parses_the_llama_swap_cmd_as_the_profile_means(llama_parsers, variant, tmp_path):
+    import shlex
+
+    import yaml
+
+    harness, _bench, env = llama_parsers
+    profile = _without_rpc(PROFILES[variant]())
+    model = str(tmp_path / "model.gguf")
+    (entry,) = yaml.safe_load(export_args(profile, "llama-swap", model_path=model))["models"].values()
+    argv = shlex.split(entry["cmd"].replace("${PORT}", "5800"))
+    parsed = _parsed(harness, "llama-server", argv[1:], env)
+    expected = _expected(profile, model)
+    assert {k: parsed.get(k) for k in expected} == expected and parsed.get("port") in (None, "5800")
+
+
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_the_lmstudio_config_uses_lm_studios_keys_and_types(variant):
+    profile = PROFILES[variant]()
+    config = json.loads(export_args(profile, "lmstudio"))
+    assert set(config) == {"preset", "operation", "load"} and config["operation"] == {"fields": []}
+    fields = {f["key"]: f["value"] for f in config["load"]["fields"]}
+    assert len(fields) == len(config["load"]["fields"])  # each key once
+    for key, value in fields.items():
+        assert isinstance(value, LMSTUDIO_KEYS[key]), (key, value)
+    s = profile.settings
+    assert fields["llm.load.contextLength"] == s.n_ctx
+    ratio = fields["llm.load.llama.acceleration.offloadRatio"]
+    assert ratio == "max" if s.n_gpu_layers < 0 else round(ratio * profile.layers_total) == s.n_gpu_layers
+    for name in ("kCacheQuantizationType", "vCacheQuantizationType"):
+        kv = s.type_k if name[0] == "k" else s.type_v
+        assert fields.get(f"llm.load.llama.{name}", {"checked": True, "value": "f16"})["value"] == kv
+
+
+@pytest.mark.parametrize("variant", sorted(PROFILES))
+def test_the_kcpps_uses_koboldcpps_option_names_and_types(variant):
+    import argparse
+
+    profile = PROFILES[variant]()
+    config = json.loads(export_args(profile, "kcpps"))
+    for key, value in config.items():
+        assert isinstance(value, KCPPS_KEYS[key]), (key, value)
+    # --config sets each key on the parsed arguments, as koboldcpp does with a .kcpps
+    args = argparse.Namespace(**config)
+    s = profile.settings
+    assert args.model_param == s.model_path
+    assert args.gpulayers == (profile.layers_total if s.n_gpu_layers < 0 else s.n_gpu_layers)
+    assert args.contextsize == s.n_ctx and args.usemmap == s.use_mmap
+    assert getattr(args, "lowvram", False) == (not s.offload_kqv)
+    assert getattr(args, "moecpu", 0) == s.n_cpu_moe
+
+
+def test_what_lmstudio_and_koboldcpp_cannot_say_is_noted_on_stderr(tmp_path):
+    path = full_profile().replace(path=None).write(tmp_path / "team.json")
+    result = CliRunner().invoke(profile_group, ["args", str(path), "--for", "kcpps"])
+    assert result.exit_code == 0
+    json.loads(result.stdout)  # the file stays valid JSON
+    assert "note: not in the kcpps file: type_k q8_0, type_v q4_0: koboldcpp has one KV cache type" in result.stderr
+    assert "note: not in the kcpps file: n_ubatch 256: koboldcpp has no setting for it" in result.stderr
+    lms = CliRunner().invoke(profile_group, ["args", str(path), "--for", "lmstudio"])
+    assert "tensor_overrides blk\\.(0|1)\\.ffn_.*, exps (kept on the CPU): LM Studio has no setting for it" in lms.stderr
+
+
+def test_the_new_formats_carry_a_hostile_path_whole_or_refuse_it(tmp_path):
+    import shlex
+
+    import yaml
+
+    from tuner.profile.quoting import UnsafeValueError
+
+    profile = full_profile()
+    here = "/data/it's: #1 \"model\" $(touch x).gguf"
+    (entry,) = yaml.safe_load(export_args(profile, "llama-swap", model_path=here))["models"].values()
+    assert shlex.split(entry["cmd"])[4] == here
+    assert json.loads(export_args(profile, "kcpps", model_path=here))["model_param"] == here
+    with pytest.raises(UnsafeValueError, match="line break"):
+        export_args(profile, "llama-swap", model_path="/data/a\n# b.gguf")

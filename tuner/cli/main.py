@@ -965,6 +965,8 @@ def rpc_serve_cmd(host: str, port: int, memory_limit_mib: int | None, threads: i
 def _mount_subcommands() -> None:
     """Subcommands that live in their own modules."""
     from .diagnose import register as register_diagnose
+    from .doctor import register as register_doctor
+    from .mcp_server import register as register_mcp
     from .profile import profile_group
     from .quality import quality_cmd
     from .report import report_cmd
@@ -972,6 +974,8 @@ def _mount_subcommands() -> None:
     cli.add_command(profile_group)
     cli.add_command(quality_cmd)
     register_diagnose(cli)
+    register_doctor(cli)
+    register_mcp(cli)
     cli.add_command(report_cmd)
 
 

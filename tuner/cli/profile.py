@@ -256,7 +256,8 @@ def show_command(profile: str, as_json: bool) -> None:
 @click.option("--llama-bin", "llama_bin", type=click.Path(file_okay=False), default=None,
               help="Check the flags with the llama.cpp binaries in this folder (default: the tool on PATH, if any).")
 def args_command(profile: str, fmt: str, model_path: str | None, llama_bin: str | None) -> None:
-    """Print a profile as a command line, an ollama Modelfile, or LLAMA_ARG_* variables.
+    """Print a profile as a command line, an ollama Modelfile, LLAMA_ARG_* variables, a llama-swap
+    entry, an LM Studio per-model config or a koboldcpp .kcpps (what those cannot say: on stderr).
 
     When the llama.cpp tool is installed (on PATH, or in --llama-bin), its own argument parser
     checks the flags first; a flag it does not know is a warning on stderr (an older build).
@@ -268,6 +269,8 @@ def args_command(profile: str, fmt: str, model_path: str | None, llama_bin: str 
         offload-tuner profile args my.json --for ollama > Modelfile && ollama create qwen3-tuned -f Modelfile
 
         eval "$(offload-tuner profile args my.json --for env)" && llama-server
+
+        offload-tuner profile args my.json --for kcpps > tuned.kcpps && koboldcpp --config tuned.kcpps
     """
     p = _resolve(profile)
     try:
@@ -276,6 +279,10 @@ def args_command(profile: str, fmt: str, model_path: str | None, llama_bin: str 
         raise ProfileCommandError(str(exc)) from None
     _check_with_binaries(p, fmt, model_path, llama_bin)
     click.echo(text, nl=False)
+    from ..profile.exports import export_notes
+
+    for note in export_notes(p, fmt):
+        click.echo(f"note: not in the {fmt} file: {note}", err=True)
 
 
 def _check_with_binaries(p: Profile, fmt: str, model_path: str | None, llama_bin: str | None) -> None:
@@ -283,7 +290,7 @@ def _check_with_binaries(p: Profile, fmt: str, model_path: str | None, llama_bin
     from ..engine.llamacpp import check_exported_flags
     from ..profile.exports import tool_args
 
-    tool = "llama-server" if fmt == "env" else fmt
+    tool = "llama-server" if fmt in ("env", "llama-swap") else fmt
     if tool not in ("llama-server", "llama-cli", "llama-bench"):
         return  # an ollama Modelfile is read by ollama, not by llama.cpp's parser
     if llama_bin is not None and not Path(llama_bin).is_dir():

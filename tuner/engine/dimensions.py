@@ -106,6 +106,7 @@ class Export:
     tool: str = "llama-server"
     layers_total: int | None = None
     model_path: str | None = None
+    sliding_window: int = 0  # the model's window (tokens; 0: none), where an app's setting depends on it
 
 
 Writer = Callable[[Any, Export], list[str]]  # (settings, export) -> argv words, [] when nothing to say
@@ -178,6 +179,20 @@ class Ollama:
 
 
 @dataclass(frozen=True)
+class Foreign:
+    """Another app's settings file's view of a dimension: LM Studio's per-model load config
+    (``lmstudio``: ``llm.load.*`` keys of lmstudio-js ``packages/lms-kv-config/src/schema.ts``, 2025)
+    or koboldcpp's ``.kcpps`` (``kcpps``: the ``dest`` names of koboldcpp.py's argparse options,
+    which ``--config`` loads, 2026).
+
+    ``write(settings, export)`` gives the fields (``{}`` when the app's default already says it);
+    ``note(settings, export)`` says what cannot be said there (``None`` when everything can)."""
+
+    write: Callable[[Any, Export], dict[str, Any]] | None = None
+    note: Callable[[Any, Export], str | None] | None = None
+
+
+@dataclass(frozen=True)
 class Facts:
     """What the search knows when it asks: the model, the devices, each dimension's candidate values
     (``domains``, built by ``tuner.search.space.build_space``) and the settings the engine can set."""
@@ -246,6 +261,8 @@ class Dimension:
     host_patterns: Callable[[Any], tuple[str, ...]] | None = None  # tensors it keeps on the CPU (regexes)
     env: Env | None = None
     ollama: Ollama | None = None
+    lmstudio: Foreign | None = None  # LM Studio's per-model load config (profile args --for lmstudio)
+    kcpps: Foreign | None = None  # koboldcpp's .kcpps settings file (profile args --for kcpps)
     search: Search | None = None  # None: never searched
     not_searched: str = ""  # why not
 
@@ -481,6 +498,65 @@ def _no_device(facts: Facts) -> str:
     return "no GPU or RPC device: every layer runs on the CPU"
 
 
+# -- other apps' settings files (LM Studio, koboldcpp) ------------------------------------------------
+
+_LMS = "llm.load."
+
+
+def _cannot(app: str, what: Callable[[Any], str | None]) -> Callable[[Any, Export], str | None]:
+    """A note for a setting ``app`` has no field for: ``what(settings)`` describes the value, None when
+    the value is the app's default anyway."""
+    def note(s: Any, e: Export) -> str | None:
+        value = what(s)
+        return f"{value}: {app} has no setting for it" if value else None
+    return note
+
+
+def _lms_offload(s: Any, e: Export) -> dict[str, Any]:
+    # LM Studio takes a proportion of the layers ("max": every layer), not a count
+    if s.n_gpu_layers < 0 or (e.layers_total and s.n_gpu_layers >= e.layers_total):
+        return {_LMS + "llama.acceleration.offloadRatio": "max"}
+    if s.n_gpu_layers == 0:
+        return {_LMS + "llama.acceleration.offloadRatio": 0}
+    if not e.layers_total:
+        return {}
+    return {_LMS + "llama.acceleration.offloadRatio": round(s.n_gpu_layers / e.layers_total, 6)}
+
+
+def _lms_offload_note(s: Any, e: Export) -> str | None:
+    if 0 < s.n_gpu_layers and not e.layers_total:
+        return f"n_gpu_layers {s.n_gpu_layers}: LM Studio takes a proportion of the layers, and the profile has no layer count"
+    if 0 < s.n_gpu_layers and e.layers_total and s.n_gpu_layers < e.layers_total:
+        return (f"n_gpu_layers {s.n_gpu_layers} of {e.layers_total}: written as the proportion "
+                f"{round(s.n_gpu_layers / e.layers_total, 6)}, which LM Studio turns back into a layer count")
+    return None
+
+
+def _lms_kv(name: str) -> Callable[[Any, Export], dict[str, Any]]:
+    key = _LMS + ("llama.kCacheQuantizationType" if name == "type_k" else "llama.vCacheQuantizationType")
+    return lambda s, e: {key: {"checked": True, "value": getattr(s, name)}} if getattr(s, name) != "f16" else {}
+
+
+# koboldcpp --batchsize choices (koboldcpp.py, 2026) and --quantkv's names
+KCPPS_BATCH_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+KCPPS_KV_TYPES = ("f16", "bf16", "q8_0", "q5_1", "q4_0")
+
+
+def _kcpps_kv_note(s: Any, e: Export) -> str | None:
+    if s.type_k != s.type_v:
+        return f"type_k {s.type_k}, type_v {s.type_v}: koboldcpp has one KV cache type (--quantkv) for K and V"
+    if s.type_k not in KCPPS_KV_TYPES:
+        return f"type_k and type_v {s.type_k}: koboldcpp's --quantkv takes {', '.join(KCPPS_KV_TYPES)}"
+    return None
+
+
+def _kcpps_gpu_layers(s: Any, e: Export) -> dict[str, Any]:
+    # koboldcpp reads -1 as "autodetect": every layer is written as the count
+    if s.n_gpu_layers < 0:
+        return {"gpulayers": e.layers_total if e.layers_total else 999}
+    return {"gpulayers": s.n_gpu_layers}
+
+
 # -- the table ------------------------------------------------------------------------------------------
 
 
@@ -491,6 +567,8 @@ def _kv_kwarg(name: str) -> Callable[[Any], int]:
 DIMENSIONS: tuple[Dimension, ...] = (
     Dimension(
         "model_path", "path", None,
+        lmstudio=Foreign(),  # LM Studio keys its per-model config by the file (where the JSON goes), not a field
+        kcpps=Foreign(write=lambda s, e: {"model_param": e.model_path or s.model_path}),
         model_level=True,
         llama_kwarg="model_path", to_kwarg=lambda s: s.model_path,
         c_api_by_worker="the file llama_model_load_from_file opens",
@@ -503,6 +581,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_gpu_layers", "int", 0,
+        lmstudio=Foreign(write=_lms_offload, note=_lms_offload_note),
+        kcpps=Foreign(write=_kcpps_gpu_layers),
         check=_at_least(ALL_LAYERS, "expected -1 (all) or a count >= 0"),
         model_level=True,
         option=Option(("--n-gpu-layers", "-ngl"), "Layers to offload (-1: all)."),
@@ -518,6 +598,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "split_mode", "choice", "layer", choices=tuple(SPLIT_MODES),
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: f"split_mode {s.split_mode}" if s.split_mode != "layer" else None)),
+        kcpps=Foreign(note=lambda s, e: f"split_mode {s.split_mode}: set koboldcpp's --splitmode by hand" if s.split_mode != "layer" else None),
         model_level=True,
         option=Option(("--split-mode", "-sm")),
         llama_kwarg="split_mode", to_kwarg=lambda s: SPLIT_MODES[s.split_mode],
@@ -529,6 +611,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "main_gpu", "int", 0,
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: f"main_gpu {s.main_gpu}" if s.main_gpu else None)),
+        kcpps=Foreign(write=lambda s, e: {"maingpu": s.main_gpu} if s.main_gpu else {}),
         check=_at_least(0, "expected a device index >= 0"),
         model_level=True,
         option=Option(("--main-gpu", "-mg")),
@@ -541,6 +625,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "tensor_split", "proportions", None,
+        lmstudio=Foreign(note=lambda s, e: (f"tensor_split {','.join(_num(x) for x in s.tensor_split)}: LM Studio's GPU split "
+                                          "takes a strategy, not proportions") if s.tensor_split else None),
+        kcpps=Foreign(write=lambda s, e: {"tensor_split": [float(x) for x in s.tensor_split]} if s.tensor_split else {}),
         model_level=True,
         option=Option(("--tensor-split", "-ts"), "Proportions per device, e.g. 3,1.", parse=_floats),
         llama_kwarg="tensor_split", to_kwarg=lambda s: list(s.tensor_split) if s.tensor_split is not None else None,
@@ -562,6 +649,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_ctx", "int", 4096,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "contextLength": s.n_ctx} if s.n_ctx > TRAINING_CONTEXT else {}),
+        kcpps=Foreign(write=lambda s, e: {"contextsize": s.n_ctx} if s.n_ctx > TRAINING_CONTEXT else {},
+                      note=lambda s, e: "n_ctx 0 (the training context): koboldcpp needs a number" if s.n_ctx <= TRAINING_CONTEXT else None),
         check=_at_least(TRAINING_CONTEXT, "expected 0 (the model's training context) or more"),
         option=Option(("--ctx", "-c"), "Context size."),
         llama_kwarg="n_ctx", to_kwarg=lambda s: s.n_ctx,
@@ -575,6 +665,10 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_batch", "int", 2048,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "llama.evalBatchSize": s.n_batch}),
+        kcpps=Foreign(write=lambda s, e: {"batchsize": s.n_batch} if s.n_batch in KCPPS_BATCH_SIZES else {},
+                      note=lambda s, e: None if s.n_batch in KCPPS_BATCH_SIZES else
+                      f"n_batch {s.n_batch}: koboldcpp's --batchsize takes {', '.join(map(str, KCPPS_BATCH_SIZES))}"),
         check=_at_least(1, "expected at least 1"),
         option=Option(("--batch", "-b")),
         llama_kwarg="n_batch", to_kwarg=lambda s: s.n_batch,
@@ -590,6 +684,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_ubatch", "int", 512,
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: f"n_ubatch {s.n_ubatch}" if s.n_ubatch != 512 else None)),
+        kcpps=Foreign(note=_cannot("koboldcpp", lambda s: f"n_ubatch {s.n_ubatch}" if s.n_ubatch != 512 else None)),
         check=_at_least(1, "expected at least 1"),
         option=Option(("--ubatch", "-ub")),
         llama_kwarg="n_ubatch", to_kwarg=lambda s: s.n_ubatch,
@@ -601,6 +697,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_threads", "count", None,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "llama.cpuThreadPoolSize": s.n_threads} if s.n_threads else {}),
+        kcpps=Foreign(write=lambda s, e: {"threads": s.n_threads} if s.n_threads else {}),
         option=Option(("--threads", "-t"), "Generation threads (default: llama.cpp's)."),
         llama_kwarg="n_threads", to_kwarg=lambda s: s.n_threads,
         c_api=CField("context", "n_threads", lambda s: s.n_threads),
@@ -611,6 +709,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_threads_batch", "count", None,
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: f"n_threads_batch {s.n_threads_batch}"
+                                          if s.n_threads_batch and s.n_threads_batch != s.n_threads else None)),
+        kcpps=Foreign(write=lambda s, e: {"blasthreads": s.n_threads_batch} if s.n_threads_batch else {}),
         option=Option(("--threads-batch", "-tb")),
         llama_kwarg="n_threads_batch", to_kwarg=lambda s: s.n_threads_batch,
         # llama.cpp's own default for the batch threads is its generation default; ours follows n_threads
@@ -624,6 +725,10 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "flash_attn", "choice", "auto", choices=tuple(FLASH_ATTN),
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "llama.flashAttention": s.flash_attn == "on"} if s.flash_attn != "auto" else {}),
+        # koboldcpp 2026 turns it on by default (--noflashattention); older ones took --flashattention
+        kcpps=Foreign(write=lambda s, e: {"flashattention": s.flash_attn == "on", "noflashattention": s.flash_attn == "off"}
+                      if s.flash_attn != "auto" else {}),
         option=Option(("--flash-attn", "-fa"), bare="on"),
         llama_kwarg="flash_attn", to_kwarg=lambda s: flash_attn_forms(s.flash_attn).high_level,
         no_kwarg="llama_cpp.Llama takes on or off only: auto is off there",
@@ -638,6 +743,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "type_k", "choice", "f16", choices=tuple(KV_CACHE_TYPES),
+        lmstudio=Foreign(write=_lms_kv("type_k")),
+        kcpps=Foreign(write=lambda s, e: {"quantkv": s.type_k} if _kcpps_kv_note(s, e) is None and s.type_k != "f16" else {},
+                      note=_kcpps_kv_note),
         option=Option(("--cache-type-k", "-ctk")),
         llama_kwarg="type_k", to_kwarg=_kv_kwarg("type_k"),
         c_api=CField("context", "type_k", _kv_kwarg("type_k")),
@@ -652,6 +760,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "type_v", "choice", "f16", choices=tuple(KV_CACHE_TYPES),
+        lmstudio=Foreign(write=_lms_kv("type_v")),
+        kcpps=Foreign(),  # said with type_k: one --quantkv
         option=Option(("--cache-type-v", "-ctv")),
         llama_kwarg="type_v", to_kwarg=_kv_kwarg("type_v"),
         c_api=CField("context", "type_v", _kv_kwarg("type_v")),
@@ -662,6 +772,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "offload_kqv", "bool", True,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "offloadKVCacheToGpu": s.offload_kqv} if not s.offload_kqv else {}),
+        kcpps=Foreign(write=lambda s, e: {"lowvram": True} if not s.offload_kqv else {}),
         option=Option(("--no-kv-offload", "-nkvo"), "Keep the KV cache on the host.", switch=False),
         llama_kwarg="offload_kqv", to_kwarg=lambda s: s.offload_kqv,
         c_api=CField("context", "offload_kqv", lambda s: s.offload_kqv),
@@ -676,6 +788,10 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "swa_full", "bool", False,
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: "swa_full true (a full-size sliding-window cache)" if s.swa_full else None)),
+        # koboldcpp keeps a full-size window cache unless --useswa (which also turns context shifting off):
+        # said only for a sliding-window model measured with the window-sized cache
+        kcpps=Foreign(write=lambda s, e: {"useswa": True} if e.sliding_window and not s.swa_full else {}),
         option=Option(("--swa-full",), "Full-size KV cache on sliding-window layers (llama.cpp's C API default; "
                       "llama-server's is a window-sized one).", switch=True),
         llama_kwarg="swa_full", to_kwarg=lambda s: s.swa_full,
@@ -694,6 +810,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "kv_unified", "bool", False,
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: "kv_unified true" if s.kv_unified else None)),
+        kcpps=Foreign(note=_cannot("koboldcpp", lambda s: "kv_unified true" if s.kv_unified else None)),
         option=Option(("--kv-unified", "-kvu"), "One KV buffer shared by all sequences (llama-server's slots).", switch=True),
         no_kwarg="llama_cpp.Llama sets it only for embeddings; an app decoding one sequence gets the same cache either way",
         c_api=CField("context", "kv_unified", lambda s: s.kv_unified),  # llama_context_default_params(): false
@@ -708,6 +826,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "use_mmap", "bool", True,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "llama.tryMmap": s.use_mmap}),
+        kcpps=Foreign(write=lambda s, e: {"usemmap": s.use_mmap, "nommap": not s.use_mmap}),
         model_level=True,
         option=Option(("--no-mmap",), switch=False),
         llama_kwarg="use_mmap", to_kwarg=lambda s: s.use_mmap,
@@ -721,6 +841,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "use_mlock", "bool", False,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "llama.keepModelInMemory": s.use_mlock} if s.use_mlock else {}),
+        kcpps=Foreign(write=lambda s, e: {"usemlock": s.use_mlock}),
         model_level=True,
         option=Option(("--mlock",), switch=True),
         llama_kwarg="use_mlock", to_kwarg=lambda s: s.use_mlock,
@@ -731,6 +853,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "op_offload", "bool", True,
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: "op_offload false" if not s.op_offload else None)),
+        kcpps=Foreign(note=_cannot("koboldcpp", lambda s: "op_offload false" if not s.op_offload else None)),
         option=Option(("--no-op-offload",), switch=False),
         llama_kwarg="op_offload", to_kwarg=lambda s: s.op_offload,
         c_api=CField("context", "op_offload", lambda s: s.op_offload),
@@ -742,6 +866,9 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "tensor_overrides", "patterns", (),
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: f"tensor_overrides {', '.join(s.tensor_overrides)} (kept on the CPU)"
+                                          if s.tensor_overrides else None)),
+        kcpps=Foreign(write=lambda s, e: {"overridetensors": ",".join(f"{p}=CPU" for p in s.tensor_overrides)} if s.tensor_overrides else {}),
         model_level=True,
         option=Option(("--override-tensor", "-ot"),
                       "Regex of tensors kept on the CPU (repeatable), e.g. 'blk\\.[0-3]\\.ffn_.*'. A trailing =CPU is accepted.",
@@ -766,6 +893,11 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "n_cpu_moe", "int", 0,
+        lmstudio=Foreign(write=lambda s, e: {_LMS + "numCpuExpertLayersRatio": round(s.n_cpu_moe / max(1, e.layers_total - 1), 6)}
+                          if s.n_cpu_moe and e.layers_total else {},
+                          note=lambda s, e: f"n_cpu_moe {s.n_cpu_moe}: LM Studio takes a proportion, and the profile has no layer count"
+                          if s.n_cpu_moe and not e.layers_total else None),
+        kcpps=Foreign(write=lambda s, e: {"moecpu": s.n_cpu_moe} if s.n_cpu_moe else {}),
         check=_at_least(0, "expected a count of layers >= 0"),
         model_level=True,
         option=Option(("--n-cpu-moe", "-ncmoe"), "Keep the MoE experts of the first N layers on the CPU."),
@@ -812,6 +944,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
     ),
     Dimension(
         "rpc_servers", "endpoints", (),
+        lmstudio=Foreign(note=_cannot("LM Studio", lambda s: f"rpc_servers {', '.join(s.rpc_servers)}" if s.rpc_servers else None)),
+        kcpps=Foreign(note=_cannot("koboldcpp", lambda s: f"rpc_servers {', '.join(s.rpc_servers)}" if s.rpc_servers else None)),
         model_level=True,
         option=Option(("--rpc",), "RPC servers host:port,... used as devices.", parse=_endpoints),
         no_kwarg="registered as devices before the load (tuner.engine.rpc.register_servers)",
@@ -889,10 +1023,10 @@ def _ollama_kv_note(s: Any) -> str | None:
 OLLAMA_KV_TYPES = ("f16", "q8_0", "q4_0")
 
 __all__ = [
-    "DIMENSIONS", "Dimension", "Option", "CField", "Env", "Ollama", "Search", "Facts", "Export",
+    "DIMENSIONS", "Dimension", "Option", "CField", "Env", "Ollama", "Foreign", "Search", "Facts", "Export",
     "KV_CACHE_TYPES", "SPLIT_MODES", "FLASH_ATTN", "CLI_TOOLS", "UNQUANTIZED_KV", "OLLAMA_KV_TYPES",
     "ALL_LAYERS", "TRAINING_CONTEXT", "offloaded_layers", "offloaded_repeating_layers", "first_offloaded_layer",
     "gpu_layers_arg", "context_tokens", "flash_attn_forms", "FlashAttnForms", "load_mode", "LOAD_MODES",
     "n_cpu_moe_patterns", "FFN_EXPS_REGEX", "PLACEMENTS", "placement_patterns", "parse_placement", "split_from_counts",
-    "counts_from_split", "dimension",
+    "counts_from_split", "dimension", "KCPPS_BATCH_SIZES", "KCPPS_KV_TYPES",
 ]

@@ -10,6 +10,18 @@
 - ``env``: ``export LLAMA_ARG_...=...`` lines llama-server reads at start (names from the ``set_env``
   calls in llama.cpp's ``common/arg.cpp``, as vendored by llama-cpp-python 0.3.36), and a comment
   naming the flags that have no variable.
+- ``llama-swap``: a ``models:`` entry of llama-swap's config.yaml (``cmd``: llama-server with the
+  profile's flags and ``--port ${PORT}``, the macro llama-swap fills; keys of its ``ModelConfig``,
+  ``config/config.go``, 2025). Every setting is a llama-server flag, so nothing is lost.
+- ``lmstudio``: LM Studio's per-model load config (``{"preset": "", "operation": {"fields": []},
+  "load": {"fields": [{"key", "value"}]}}``, the ``llm.load.*`` keys of lmstudio-js's
+  ``lms-kv-config`` schema), for ``~/.lmstudio/.internal/user-concrete-model-default-config/
+  PUBLISHER/REPO/FILE.gguf.json``.
+- ``kcpps``: koboldcpp's ``.kcpps`` settings file (a JSON object of its argparse ``dest`` names,
+  loaded with ``koboldcpp --config FILE.kcpps``).
+
+What LM Studio and koboldcpp cannot say (a tensor override in LM Studio, ``n_ubatch`` in either...)
+is listed by ``export_notes``; ``profile args`` prints those notes on stderr, so the file stays valid.
 
 Every spelling comes from the dimension table (``tuner.engine.dimensions``): a setting added there
 is exported here without a change to this module. ``n_gpu_layers = -1`` (all layers) is written as
@@ -19,6 +31,7 @@ arguments read ``-ngl -1`` as "auto" (fit to free memory), not "all".
 
 from __future__ import annotations
 
+import json
 import os
 
 from ..errors import ProfileError
@@ -26,7 +39,10 @@ from .document import Profile
 from .quoting import UnsafeValueError, safe, shell_line
 from ..engine.dimensions import CLI_TOOLS, DIMENSIONS, OLLAMA_KV_TYPES, Export
 
-FORMATS = (*CLI_TOOLS, "ollama", "env")
+from typing import Any
+
+FORMATS = (*CLI_TOOLS, "ollama", "env", "llama-swap", "lmstudio", "kcpps")
+JSON_FORMATS = ("lmstudio", "kcpps")
 
 
 def export_args(profile: Profile, fmt: str, *, model_path: str | os.PathLike[str] | None = None) -> str:
@@ -38,6 +54,12 @@ def export_args(profile: Profile, fmt: str, *, model_path: str | os.PathLike[str
         return ollama_modelfile(profile, model_path=path)
     if fmt == "env":
         return llama_server_env(profile, model_path=path)
+    if fmt == "llama-swap":
+        return llama_swap_entry(profile, model_path=path)
+    if fmt == "lmstudio":
+        return json.dumps(lmstudio_config(profile, model_path=path), indent=2) + "\n"
+    if fmt == "kcpps":
+        return json.dumps(kcpps_config(profile, model_path=path), indent=2) + "\n"
     raise ProfileError(f"unknown export format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 
@@ -97,6 +119,81 @@ def ollama_modelfile(profile: Profile, *, model_path: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def llama_swap_entry(profile: Profile, *, model_path: str | None = None) -> str:
+    """A ``models:`` entry of llama-swap's config.yaml: the profile's llama-server command on ``${PORT}``.
+
+    Strings are written as JSON strings, which YAML reads as double-quoted scalars, so no value (a
+    path with ``: `` or ``#``) can change the document's structure."""
+    args = tool_args(profile, "llama-server", model_path=model_path)
+    for arg in args:
+        if "\n" in arg or "\r" in arg:
+            # llama-swap reads cmd line by line and drops lines that start with '#'
+            raise UnsafeValueError(f"cannot write a llama-swap cmd with a line break in {arg!r}: give the model's "
+                                   "path on this machine with --model PATH")
+    cmd = "llama-server --port ${PORT} " + shell_line(args)
+    measured = profile.measured
+    description = (f"offload-tuner profile {profile.name}: tg {measured.tg.median:.1f} t/s, pp {measured.pp.median:.1f} t/s "
+                   f"on {profile.machine.describe()}")
+    lines = [
+        _comment(f"llama-swap entry from offload-tuner profile {profile.name}; add it under models: in config.yaml"),
+        "models:",
+        f"  {json.dumps(profile.name)}:",
+        f"    name: {json.dumps(profile.model.file_name)}",
+        f"    description: {json.dumps(description)}",
+        f"    cmd: {json.dumps(cmd)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _foreign(profile: Profile, app: str, model_path: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The fields of every dimension in ``app``'s words (``lmstudio`` or ``kcpps``) and the notes of
+    what it cannot say, from the dimension table."""
+    export = Export(tool=app, layers_total=profile.layers_total or None, model_path=model_path,
+                    sliding_window=profile.sizing.sliding_window)
+    fields: dict[str, Any] = {}
+    notes: list[str] = []
+    for dim in DIMENSIONS:
+        spelling = getattr(dim, app)
+        if spelling is None:
+            continue
+        if spelling.write is not None:
+            fields.update(spelling.write(profile.settings, export))
+        if spelling.note is not None:
+            note = spelling.note(profile.settings, export)
+            if note:
+                notes.append(note)
+    return fields, notes
+
+
+def lmstudio_config(profile: Profile, *, model_path: str | None = None) -> dict[str, Any]:
+    """LM Studio's per-model load config for this profile's settings."""
+    fields, _ = _foreign(profile, "lmstudio", model_path)
+    return {"preset": "", "operation": {"fields": []},
+            "load": {"fields": [{"key": key, "value": value} for key, value in fields.items()]}}
+
+
+def kcpps_config(profile: Profile, *, model_path: str | None = None) -> dict[str, Any]:
+    """koboldcpp's ``.kcpps`` settings for this profile (a backend flag from the profile's build:
+    ``usecuda`` / ``usevulkan`` / ``usecpu``)."""
+    fields, _ = _foreign(profile, "kcpps", model_path)
+    backends = [b.lower() for b in profile.llama_build.backends]
+    if any(b in ("cuda", "hip", "rocm") for b in backends):
+        fields["usecuda"] = ["normal"]
+    elif "vulkan" in backends:
+        fields["usevulkan"] = []
+    elif profile.settings.n_gpu_layers == 0:
+        fields["usecpu"] = True
+    return {"model": [], **fields}
+
+
+def export_notes(profile: Profile, fmt: str) -> list[str]:
+    """What ``fmt`` cannot say of this profile (empty for the llama.cpp tools and llama-swap, which take
+    every flag; the Modelfile says its own in comments)."""
+    if fmt not in JSON_FORMATS:
+        return []
+    return _foreign(profile, fmt, None)[1]
+
+
 def _comment(text: str) -> str:
     """A ``#`` line that stays one comment line whatever ``text`` holds (shell, env file, Modelfile)."""
     return "# " + safe(text, "comment")
@@ -113,4 +210,5 @@ def _instruction(line: str) -> str:
         raise UnsafeValueError(f"cannot write the Modelfile's {name} line: {exc}.{hint}") from None
 
 
-__all__ = ["FORMATS", "OLLAMA_KV_TYPES", "export_args", "tool_args", "llama_server_env", "ollama_modelfile"]
+__all__ = ["FORMATS", "OLLAMA_KV_TYPES", "export_args", "tool_args", "llama_server_env", "ollama_modelfile",
+           "llama_swap_entry", "lmstudio_config", "kcpps_config", "export_notes"]
