@@ -13,13 +13,13 @@ newer minor version of the same major loads with a ``SchemaVersionWarning``; the
 know are ignored, at any depth, and the warning names them. In the current or an older minor version an
 unknown key is an error, so a typo (``n_gpu_layer``) never passes silently.
 
-The document (schema 1.3); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
+The document (schema 1.4); sizes are bytes, speeds tokens per second. 1.1 added ``quality`` and
 ``quality_budget``; a 1.0 document (without them) loads as it always did:
 
 =============================  ===============================================================================
 key                            meaning
 =============================  ===============================================================================
-``schema_version``             ``"1.3"``
+``schema_version``             ``"1.4"``
 ``tool_version``               the offload-tuner version that wrote it
 ``created_at``                 ISO-8601 UTC time, e.g. ``"2026-03-01T12:00:00Z"``
 ``machine``                    ``fingerprint`` (exact machine), ``hardware_class`` (same GPU models and
@@ -39,7 +39,15 @@ key                            meaning
 ``settings``                   every ``tuner.engine.settings.Settings`` field (``model_path`` is the tuning machine's
                                path: not trusted elsewhere; apps substitute their own)
 ``min_ctx``                    the smallest context the user needs; degradation at load never goes below it
-``objective``                  ``"tg"``, ``"pp"`` or ``"mixed"``
+``objective``                  ``"tg"``, ``"pp"``, ``"mixed"``, ``"aggregate"``, ``"per-user"`` or ``"ttft"``
+                               (``tuner.search.objective``)
+``workload``                   (1.4) what it was tuned for: ``users`` (sequences decoded together;
+                               ``settings.n_parallel`` is the same number), ``n_prompt``, ``n_gen``,
+                               ``depth``, ``objective``, ``min_user_tg`` (``null``: no floor), and its
+                               figures at that load: ``aggregate_tg`` and ``per_user_tg``
+                               ``{median, ci_low, ci_high}`` (t/s), ``ttft_s`` ``{p50, p95, ci_low,
+                               ci_high, samples}`` (seconds to the first token of every user's prompt
+                               arriving at once); ``null`` before 1.4 (one user, as ``measured``)
 ``measured``                   ``pp`` and ``tg``: ``{median, mean, stddev, ci_low, ci_high, samples}`` (``ci_low``..``ci_high``:
                                a 95% interval of the median, within the samples' range);
                                ``n_prompt``, ``n_gen``, ``depth`` (the benchmark's shape)
@@ -71,7 +79,8 @@ model's sliding window and training context to ``sizing``. A 1.0 or 1.1 profile 
 values it was measured with: ``swa_full`` true, the C API default the python engine ran then (its
 memory arithmetic is then the same with or without a window, so the sizing it lacks is not needed);
 ``n_cpu_moe`` 0 and ``kv_unified`` false. 1.3 added ``engine`` and ``machine.devices`` (an older profile
-reads with ``engine`` null: it was measured by the python engine, and no device list).
+reads with ``engine`` null: it was measured by the python engine, and no device list). 1.4 added
+``workload`` and ``settings.n_parallel`` (an older profile reads with one user: what it measured).
 
 Where profile files live and how bundles carry them: ``tuner.profile.store``.
 """
@@ -99,10 +108,10 @@ from .dburl import redact_url
 if TYPE_CHECKING:
     from ..machine.probe import LlamaBuild, Machine
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 ENGINES = ("python", "llama-cpp")
 BUNDLE_VERSION = "1.0"
-OBJECTIVES = ("tg", "pp", "mixed")
+OBJECTIVES = ("tg", "pp", "mixed", "aggregate", "per-user", "ttft")  # tuner.search.objective
 # A profile is a few KiB; refuse to parse anything absurd (a wrong file on the search path).
 MAX_PROFILE_BYTES = 16 << 20
 MAX_BUNDLE_BYTES = 256 << 20
@@ -256,6 +265,41 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class Interval:
+    """A median with its 95% interval (t/s)."""
+
+    median: float
+    ci_low: float
+    ci_high: float
+
+
+@dataclass(frozen=True)
+class TimeToFirstToken:
+    """Seconds to the first token over the repetitions: p50, p95, the median's 95% interval, the samples."""
+
+    p50: float
+    p95: float
+    ci_low: float
+    ci_high: float
+    samples: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a profile was tuned for (1.4), and its figures at that load."""
+
+    users: int
+    n_prompt: int
+    n_gen: int
+    depth: int
+    objective: str
+    min_user_tg: float | None = None
+    aggregate_tg: Interval | None = None
+    per_user_tg: Interval | None = None
+    ttft_s: TimeToFirstToken | None = None
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """Bytes one device holds. ``total`` is recorded for predictions (it may include padding)."""
 
@@ -368,6 +412,7 @@ class Profile:
     quality: QualityInfo | None = None
     quality_budget: QualityBudgetInfo | None = None
     engine: EngineInfo | None = None  # None: a profile from before 1.3, measured by the python engine
+    workload: Workload | None = None  # None: a profile from before 1.4, tuned for one user
     schema_version: str = SCHEMA_VERSION
     path: str | None = field(default=None, compare=False)
     degradation: tuple[str, ...] = field(default=(), compare=False)
@@ -413,6 +458,7 @@ class Profile:
         quality: Mapping[str, Any] | None = None,
         quality_budget: Mapping[str, Any] | None = None,
         engine: Mapping[str, Any] | None = None,
+        workload: Mapping[str, Any] | None = None,
     ) -> "Profile":
         """The profile of a finished tune, validated as a reader will read it. The schema version,
         the tool version and the time are this module's to set.
@@ -447,6 +493,7 @@ class Profile:
             "study": dict(study) if study is not None else None,
             "quality": dict(quality) if quality is not None else None,
             "quality_budget": dict(quality_budget) if quality_budget is not None else None,
+            "workload": dict(workload) if workload is not None else None,
         }
         return cls.from_dict(data)
 
@@ -506,7 +553,22 @@ class Profile:
                 del out["machine"]["devices"]
             else:
                 out["schema_version"] = "1.3"
+        # 1.4's workload and n_parallel likewise: an older one-user profile stays as it was
+        out["workload"] = None if self.workload is None else _workload_dict(self.workload)
+        if _major_minor(out["schema_version"]) < (1, 4):
+            blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
+            if self.workload is None and all(b.get("n_parallel", 1) == 1 for b in blocks):
+                del out["workload"]
+                for b in blocks:
+                    b.pop("n_parallel", None)
+            else:
+                out["schema_version"] = "1.4"
         return out
+
+    @property
+    def users(self) -> int:
+        """The concurrent users the profile was tuned for (1 before 1.4)."""
+        return self.workload.users if self.workload is not None else self.settings.n_parallel
 
     def validate(self) -> None:
         """Check a profile built in code against the schema, as a reader will."""
@@ -525,7 +587,9 @@ class Profile:
     def default_filename(self) -> str:
         # (the stem is cut at 100 characters: a file name has at most 255 bytes)
         stem = _UNSAFE_NAME_RE.sub("_", Path(self.model.file_name).stem).strip("._")[:100] or "model"
-        return f"{stem}--{self.machine.fingerprint[:64]}.json"
+        # a profile for several users is another profile of the same model on the same machine
+        users = f"--{self.users}users" if self.users > 1 else ""
+        return f"{stem}--{self.machine.fingerprint[:64]}{users}.json"
 
     def identity(self) -> str:
         """What makes two profiles the same: model header, machine, settings (not the model's path)."""
@@ -838,6 +902,52 @@ def _devices(value: Any, path: str, ctx: _Context, with_total: bool) -> dict[str
     return out
 
 
+def _interval(value: Any, path: str, ctx: _Context) -> Interval | None:
+    if value is None:
+        return None
+    data = _obj(value, path, ("median", "ci_low", "ci_high"), ctx)
+    numbers = {k: _number(_get(data, k, path), _join(path, k)) for k in ("median", "ci_low", "ci_high")}
+    if numbers["ci_low"] > numbers["ci_high"]:
+        raise ProfileValidationError(_join(path, "ci_low"), f"expected at most ci_high ({numbers['ci_high']}), got {numbers['ci_low']}")
+    return Interval(**numbers)
+
+
+def _workload(value: Any, ctx: _Context) -> Workload | None:
+    if value is None:
+        return None
+    path = "workload"
+    w = _obj(value, path, ("users", "n_prompt", "n_gen", "depth", "objective", "min_user_tg", "aggregate_tg",
+                           "per_user_tg", "ttft_s"), ctx)
+    objective = _get(w, "objective", path)
+    if objective not in OBJECTIVES:
+        raise ProfileValidationError("workload.objective", f"expected one of {', '.join(OBJECTIVES)}, got {_kind(objective)}")
+    floor = _get(w, "min_user_tg", path, None)
+    ttft = None
+    t = _get(w, "ttft_s", path, None)
+    if t is not None:
+        tp = "workload.ttft_s"
+        t = _obj(t, tp, ("p50", "p95", "ci_low", "ci_high", "samples"), ctx)
+        numbers = {k: _number(_get(t, k, tp), _join(tp, k)) for k in ("p50", "p95", "ci_low", "ci_high")}
+        samples = _list(t, "samples", tp)
+        ttft = TimeToFirstToken(**numbers, samples=tuple(_number(x, f"{tp}.samples[{i}]") for i, x in enumerate(samples)))
+    return Workload(
+        users=_int(w, "users", path, minimum=1, maximum=limits.MAX_PARALLEL),
+        n_prompt=_int(w, "n_prompt", path), n_gen=_int(w, "n_gen", path), depth=_int(w, "depth", path),
+        objective=objective,
+        min_user_tg=None if floor is None else _number(floor, "workload.min_user_tg"),
+        aggregate_tg=_interval(_get(w, "aggregate_tg", path, None), "workload.aggregate_tg", ctx),
+        per_user_tg=_interval(_get(w, "per_user_tg", path, None), "workload.per_user_tg", ctx),
+        ttft_s=ttft,
+    )
+
+
+def _workload_dict(w: Workload) -> dict[str, Any]:
+    out = dataclasses.asdict(w)
+    if w.ttft_s is not None:
+        out["ttft_s"]["samples"] = list(w.ttft_s.samples)
+    return out
+
+
 def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
     top = _obj(
         data,
@@ -845,7 +955,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         (
             "schema_version", "tool_version", "created_at", "machine", "engine", "llama_build", "model", "settings",
             "min_ctx", "objective", "measured", "memory", "sizing", "layers_offloaded", "layers_total",
-            "runner_up", "trials", "study", "quality", "quality_budget",
+            "runner_up", "trials", "study", "quality", "quality_budget", "workload",
         ),
         ctx,
     )  # fmt: skip
@@ -989,6 +1099,9 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
 
     quality = _quality(_get(top, "quality", "", None), ctx)
     quality_budget = _quality_budget(_get(top, "quality_budget", "", None), ctx)
+    workload = _workload(_get(top, "workload", "", None), ctx)
+    if workload is not None and workload.users != settings.n_parallel:
+        raise ProfileValidationError("workload.users", f"expected settings.n_parallel ({settings.n_parallel}), got {workload.users}")
 
     return Profile(
         schema_version=top["schema_version"],
@@ -1010,6 +1123,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         study=study,
         quality=quality,
         quality_budget=quality_budget,
+        workload=workload,
         engine=engine,
     )
 
@@ -1100,6 +1214,9 @@ __all__ = [
     "StudyRef",
     "QualityInfo",
     "QualityBudgetInfo",
+    "Workload",
+    "Interval",
+    "TimeToFirstToken",
     "ProfileWarning",
     "SchemaVersionWarning",
     "LlamaBuildWarning",

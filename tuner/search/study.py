@@ -52,7 +52,7 @@ from ..profile.dburl import redact_url
 from ..profile.document import Profile, output_folder
 from .candidates import DEFAULT_MARGIN, Candidates, accelerator_devices, settings_key
 from .interrupt import CtrlC
-from .objective import OBJECTIVES, score
+from .objective import OBJECTIVES, score, workload_figures
 from .budget import QualityBudget, median, rank_for_target, trade
 from .quality import DEFAULT_CHUNKS, DEFAULT_CTX, QualityMeter, QualityReport, choose_reference
 from .remeasure import Contender, Remeasure, pick_winner
@@ -163,6 +163,8 @@ class Tuner:
         n_prompt: int = 512,
         n_gen: int = 128,
         repetitions: int = 3,
+        users: int = 1,
+        min_user_tg: float | None = None,
         final_repetitions: int = 8,
         final_candidates: int = 3,
         final_rounds: int = 3,
@@ -199,14 +201,22 @@ class Tuner:
         if trials is not None and trials < 1:
             raise SettingsError("trials", f"expected at least 1, got {trials}")
         _check_numbers(time_budget=time_budget, vram_margin=vram_margin, trial_timeout=trial_timeout, min_ctx=min_ctx,
-                       depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions)
+                       depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, users=users,
+                       min_user_tg=min_user_tg)
+        if min_user_tg is not None and objective != "aggregate":
+            raise SettingsError("min_user_tg", f"a per-user floor applies to the aggregate objective, not {objective!r}")
         self.objective = objective
         self.trials = trials
         self.time_budget = time_budget
         self.min_ctx = min_ctx
-        self.bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
-        if depth + max(n_prompt, n_gen) > min_ctx:
-            raise SettingsError("min_ctx", f"--min-ctx {min_ctx} is smaller than --depth {depth} + {max(n_prompt, n_gen)} benchmark tokens")
+        self.bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions, users=users,
+                               min_user_tg=min_user_tg)
+        # one user: pp and tg are measured apart (llama-bench); several: each sequence keeps its
+        # prompt and its generated tokens (llama-batched-bench), all within its share of the context
+        tokens = max(n_prompt, n_gen) if users == 1 else n_prompt + n_gen
+        if depth + tokens > min_ctx:
+            raise SettingsError("min_ctx", f"--min-ctx {min_ctx} is smaller than --depth {depth} + {tokens} benchmark tokens"
+                                + (" per user" if users > 1 else ""))
         self.final_repetitions = max(final_repetitions, repetitions)
         self.final_candidates = max(1, final_candidates)
         self.final_rounds = max(1, final_rounds)
@@ -266,6 +276,7 @@ class Tuner:
             logical_cores=self.machine.logical_cores, min_ctx=min_ctx, n_prompt=n_prompt, rpc_servers=self.rpc_servers,
             unified_memory=self.machine.unified_memory,
             supported=engine.supported_settings() if hasattr(engine, "supported_settings") else None,
+            users=users,
         )
         if space_overrides:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
@@ -705,6 +716,7 @@ class Tuner:
             objective=self.objective,
             measured={"pp": best.pp, "tg": best.tg, "n_prompt": self.bench.n_prompt, "n_gen": self.bench.n_gen,
                       "depth": self.bench.depth},
+            workload=workload_of(self.bench, self.objective, best.pp, best.tg),
             memory={"predicted": best.predicted, "actual": best.actual},
             sizing={"n_layer": info.n_layer, "layer_weight_bytes": info.bytes_per_layer,
                     "output_weight_bytes": info.output_layer_bytes, "kv_bytes_per_token_per_layer": kv_layer,
@@ -718,6 +730,20 @@ class Tuner:
             quality=quality,
             quality_budget=asked,
         )
+
+
+def workload_of(bench: BenchSpec, objective: str, pp: dict[str, Any] | None, tg: dict[str, Any] | None) -> dict[str, Any]:
+    """The profile's ``workload``: what it was tuned for, and its figures at that load."""
+    from ..engine.base import Stats
+
+    out: dict[str, Any] = {"users": bench.users, "n_prompt": bench.n_prompt, "n_gen": bench.n_gen, "depth": bench.depth,
+                           "objective": objective}
+    if bench.min_user_tg is not None:
+        out["min_user_tg"] = bench.min_user_tg
+    figures = workload_figures(Stats.of(pp["samples"]) if pp and pp.get("samples") else None,
+                               Stats.of(tg["samples"]) if tg and tg.get("samples") else None, bench)
+    out.update(figures)
+    return out
 
 
 def _counts(trials: Sequence[Any]) -> dict[str, int]:
@@ -745,6 +771,8 @@ def _check_numbers(**values: Any) -> None:
         "n_prompt": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
         "n_gen": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
         "repetitions": (lambda v: 1 <= v <= 10_000, "a count from 1 to 10000"),
+        "users": (lambda v: isinstance(v, int) and 1 <= v <= limits.MAX_PARALLEL, f"a count of users from 1 to {limits.MAX_PARALLEL}"),
+        "min_user_tg": (lambda v: v is None or (math.isfinite(v) and v > 0), "tokens/sec above 0"),
     }
     for name, value in values.items():
         ok, expected = rules[name]
