@@ -335,5 +335,8 @@ def llama_cpp_env() -> dict[str, str]:
     import sysconfig
 
     libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    # (no empty entry: the dynamic loader reads one as the current folder, and llama-batched-bench
+    # started that way printed nothing and exited 0)
+    paths = [str(libdir)] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
     return {k: v for k, v in env.items() if not k.startswith("LLAMA_ARG_")}
