@@ -132,8 +132,11 @@ def test_a_four_user_tune_writes_its_workload_and_exports_it(models, tuner_home)
                   min_user_tg=1.0, min_ctx=512, n_prompt=64, n_gen=16, repetitions=2, final_repetitions=3, vram_margin=0)
     assert tuner.space.n_ctx[0] == 4 * 512 and "kv_unified" in tuner.space.dimensions()
     result = tuner.run()
-    assert {s.n_parallel for s in engine.launched} == {4}
-    assert all(s.n_ctx >= 4 * 512 for s in engine.launched)
+    # the study's trials decode 4 sequences; only the knee's measurements at the end decode fewer
+    curve_from = next(i for i, s in enumerate(engine.launched) if s.n_parallel != 4)
+    assert {s.n_parallel for s in engine.launched[:curve_from]} == {4}
+    assert all(s.n_ctx >= 4 * 512 for s in engine.launched[:curve_from])
+    assert {s.n_parallel for s in engine.launched[curve_from:]} == {1, 2}
     profile = result.profile
     w = profile.workload
     assert (w.users, w.n_prompt, w.n_gen, w.depth, w.objective, w.min_user_tg) == (4, 64, 16, 0, "aggregate", 1.0)
@@ -145,6 +148,23 @@ def test_a_four_user_tune_writes_its_workload_and_exports_it(models, tuner_home)
     assert "OLLAMA_NUM_PARALLEL=4" in export_args(profile, "ollama")
     again = Profile.from_dict(json.loads(result.profile_path.read_text()))
     assert again.workload == w
+    # the knee: the winner (and the next contender) at 1, 2 and 4 users, 4 being the profile's own figures
+    winner = sorted(p.users for p in w.curve if p.candidate == "winner")
+    assert winner == [1, 2, 4]
+    four = next(p for p in w.curve if p.candidate == "winner" and p.users == 4)
+    assert four.aggregate_tg == w.aggregate_tg
+    launched_at = {(s.n_parallel, s.n_ctx // s.n_parallel) for s in engine.launched}
+    assert (1, profile.settings.n_ctx // 4) in launched_at and (2, profile.settings.n_ctx // 4) in launched_at
+    import optuna
+
+    from tuner.report.data import read_report_data
+    from tuner.report.plots import users_curve
+
+    study = optuna.load_study(study_name=result.study_name, storage=result.storage)
+    plot = users_curve(read_report_data(study, profile))
+    assert plot.figure is not None
+    drawn = {(t.name, t.xaxis) for t in plot.figure.data}
+    assert ("winner", "x") in drawn and ("winner", "x3") in drawn  # aggregate tg and time to first token
 
 
 def test_an_older_profile_reads_as_one_user_and_is_written_back_unchanged():

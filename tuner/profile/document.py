@@ -285,6 +285,17 @@ class TimeToFirstToken:
 
 
 @dataclass(frozen=True)
+class CurvePoint:
+    """A candidate's figures at ``users`` sequences (the knee of ``Workload.curve``)."""
+
+    users: int
+    candidate: str  # "winner" or "second"
+    aggregate_tg: Interval | None = None
+    per_user_tg: Interval | None = None
+    ttft_s: TimeToFirstToken | None = None
+
+
+@dataclass(frozen=True)
 class Workload:
     """What a profile was tuned for (1.4), and its figures at that load."""
 
@@ -297,6 +308,7 @@ class Workload:
     aggregate_tg: Interval | None = None
     per_user_tg: Interval | None = None
     ttft_s: TimeToFirstToken | None = None
+    curve: tuple[CurvePoint, ...] = ()  # the winner and the next contender at 1, 2, 4... users
 
 
 @dataclass(frozen=True)
@@ -912,24 +924,41 @@ def _interval(value: Any, path: str, ctx: _Context) -> Interval | None:
     return Interval(**numbers)
 
 
+def _ttft(value: Any, path: str, ctx: _Context) -> TimeToFirstToken | None:
+    if value is None:
+        return None
+    t = _obj(value, path, ("p50", "p95", "ci_low", "ci_high", "samples"), ctx)
+    numbers = {k: _number(_get(t, k, path), _join(path, k)) for k in ("p50", "p95", "ci_low", "ci_high")}
+    samples = _list(t, "samples", path)
+    return TimeToFirstToken(**numbers, samples=tuple(_number(x, f"{path}.samples[{i}]") for i, x in enumerate(samples)))
+
+
 def _workload(value: Any, ctx: _Context) -> Workload | None:
     if value is None:
         return None
     path = "workload"
     w = _obj(value, path, ("users", "n_prompt", "n_gen", "depth", "objective", "min_user_tg", "aggregate_tg",
-                           "per_user_tg", "ttft_s"), ctx)
+                           "per_user_tg", "ttft_s", "curve"), ctx)
     objective = _get(w, "objective", path)
     if objective not in OBJECTIVES:
         raise ProfileValidationError("workload.objective", f"expected one of {', '.join(OBJECTIVES)}, got {_kind(objective)}")
     floor = _get(w, "min_user_tg", path, None)
-    ttft = None
-    t = _get(w, "ttft_s", path, None)
-    if t is not None:
-        tp = "workload.ttft_s"
-        t = _obj(t, tp, ("p50", "p95", "ci_low", "ci_high", "samples"), ctx)
-        numbers = {k: _number(_get(t, k, tp), _join(tp, k)) for k in ("p50", "p95", "ci_low", "ci_high")}
-        samples = _list(t, "samples", tp)
-        ttft = TimeToFirstToken(**numbers, samples=tuple(_number(x, f"{tp}.samples[{i}]") for i, x in enumerate(samples)))
+    curve = []
+    raw = _get(w, "curve", path, [])
+    if not isinstance(raw, list):
+        raise ProfileValidationError("workload.curve", f"expected a list, got {_kind(raw)}")
+    if len(raw) > 64:
+        raise ProfileValidationError("workload.curve", f"expected at most 64 points, got {len(raw)}")
+    for i, point in enumerate(raw):
+        pp_ = f"workload.curve[{i}]"
+        point = _obj(point, pp_, ("users", "candidate", "aggregate_tg", "per_user_tg", "ttft_s"), ctx)
+        who = _get(point, "candidate", pp_)
+        if who not in ("winner", "second"):
+            raise ProfileValidationError(f"{pp_}.candidate", f"expected winner or second, got {_kind(who)}")
+        curve.append(CurvePoint(users=_int(point, "users", pp_, minimum=1, maximum=limits.MAX_PARALLEL), candidate=who,
+                                aggregate_tg=_interval(_get(point, "aggregate_tg", pp_, None), f"{pp_}.aggregate_tg", ctx),
+                                per_user_tg=_interval(_get(point, "per_user_tg", pp_, None), f"{pp_}.per_user_tg", ctx),
+                                ttft_s=_ttft(_get(point, "ttft_s", pp_, None), f"{pp_}.ttft_s", ctx)))
     return Workload(
         users=_int(w, "users", path, minimum=1, maximum=limits.MAX_PARALLEL),
         n_prompt=_int(w, "n_prompt", path), n_gen=_int(w, "n_gen", path), depth=_int(w, "depth", path),
@@ -937,14 +966,22 @@ def _workload(value: Any, ctx: _Context) -> Workload | None:
         min_user_tg=None if floor is None else _number(floor, "workload.min_user_tg"),
         aggregate_tg=_interval(_get(w, "aggregate_tg", path, None), "workload.aggregate_tg", ctx),
         per_user_tg=_interval(_get(w, "per_user_tg", path, None), "workload.per_user_tg", ctx),
-        ttft_s=ttft,
+        ttft_s=_ttft(_get(w, "ttft_s", path, None), "workload.ttft_s", ctx),
+        curve=tuple(curve),
     )
 
 
 def _workload_dict(w: Workload) -> dict[str, Any]:
-    out = dataclasses.asdict(w)
-    if w.ttft_s is not None:
-        out["ttft_s"]["samples"] = list(w.ttft_s.samples)
+    def plain(item: Any) -> dict[str, Any]:
+        d = dataclasses.asdict(item)
+        if d.get("ttft_s") is not None:
+            d["ttft_s"]["samples"] = list(d["ttft_s"]["samples"])  # JSON's lists, as a reader parses them
+        return d
+
+    out = plain(w)
+    out["curve"] = [plain(p) for p in w.curve]
+    if not out["curve"]:
+        del out["curve"]  # a one-user profile has no curve
     return out
 
 
@@ -1215,6 +1252,7 @@ __all__ = [
     "QualityInfo",
     "QualityBudgetInfo",
     "Workload",
+    "CurvePoint",
     "Interval",
     "TimeToFirstToken",
     "ProfileWarning",

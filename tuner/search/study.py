@@ -26,6 +26,7 @@ is failed and measured again. Ctrl-C kills the running trial and still writes th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..engine.base import BenchSpec, TrialResult
+from ..engine.base import BenchSpec, Stats, TrialResult
 from ..engine.outcome import Outcome
 from ..engine.python import TrialRunner
 from .. import limits
@@ -624,6 +625,11 @@ class Tuner:
         else:
             best, second = pick_winner(contenders, self.objective)
         runner_up = {"settings": second.settings.to_dict(), "pp": second.pp, "tg": second.tg} if second else None
+        self.curve = []
+        if self.bench.users > 1 and not interrupted:
+            # the knee: the winner and the next contender at fewer users (issue 21's report)
+            others = [c for c in contenders if c is not best]
+            self.curve = self._curve(engine, best, second or (others[0] if others else None), ctrl_c)
         # The study holds every trial whatever happens next; a profile that cannot be made or written
         # (a full disk, a folder gone read-only) is reported with the winner, never in its place.
         profile: Profile | None = None
@@ -644,6 +650,34 @@ class Tuner:
                           space=self.space, study_name=self.study_name, storage=self.storage, interrupted=interrupted,
                           rejected=self.rejected, profile_error=problem, quality=self.quality, excluded=self.excluded,
                           trade=traded, target=target, flags_check=flags)
+
+    def _curve(self, engine: Any, best: Contender, second: Contender | None, ctrl_c: CtrlC) -> list[dict[str, Any]]:
+        """The winner (and the next contender) measured at 1, 2, 4... users up to the workload's, each
+        with the context its users need (n_parallel k, n_ctx / N * k): where aggregate speed stops
+        growing (the knee), and what each user gets and waits. The workload's own point is the
+        profile's; an out-of-memory or failed point is left out."""
+        users = self.bench.users
+        counts = sorted({1 << i for i in range(users.bit_length()) if 1 << i < users})
+        points: list[dict[str, Any]] = []
+        for name, c in (("winner", best), ("second", second)):
+            if c is None:
+                continue
+            for k in counts:
+                per_user_ctx = max(1, c.settings.n_ctx // users) if c.settings.n_ctx else 0
+                s = c.settings.replace(n_parallel=k, n_ctx=per_user_ctx * k, kv_unified=c.settings.kv_unified and k > 1)
+                bench = dataclasses.replace(self.bench, users=k)
+                try:
+                    with ctrl_c.immediate():
+                        result = engine.run(s, bench, trial_id=f"curve-{name}-{k}")
+                except KeyboardInterrupt:
+                    return points
+                if result.ok:
+                    points.append({"users": k, "candidate": name, **workload_figures(result.pp, result.tg, bench)})
+            figures = workload_figures(Stats.of(c.pp["samples"]) if c.pp and c.pp.get("samples") else None,
+                                       Stats.of(c.tg["samples"]) if c.tg and c.tg.get("samples") else None, self.bench)
+            points.append({"users": users, "candidate": name, **figures})
+        self.emit({"kind": "curve", "points": points})
+        return points
 
     def _trade(self, complete: Sequence[Any], contenders: Sequence[Contender]) -> list[dict[str, Any]]:
         """Per variant, its best speed found (re-measured figures where it was re-measured) and
@@ -716,7 +750,8 @@ class Tuner:
             objective=self.objective,
             measured={"pp": best.pp, "tg": best.tg, "n_prompt": self.bench.n_prompt, "n_gen": self.bench.n_gen,
                       "depth": self.bench.depth},
-            workload=workload_of(self.bench, self.objective, best.pp, best.tg),
+            workload={**workload_of(self.bench, self.objective, best.pp, best.tg),
+                      **({"curve": self.curve} if getattr(self, "curve", None) else {})},
             memory={"predicted": best.predicted, "actual": best.actual},
             sizing={"n_layer": info.n_layer, "layer_weight_bytes": info.bytes_per_layer,
                     "output_weight_bytes": info.output_layer_bytes, "kv_bytes_per_token_per_layer": kv_layer,
@@ -734,7 +769,6 @@ class Tuner:
 
 def workload_of(bench: BenchSpec, objective: str, pp: dict[str, Any] | None, tg: dict[str, Any] | None) -> dict[str, Any]:
     """The profile's ``workload``: what it was tuned for, and its figures at that load."""
-    from ..engine.base import Stats
 
     out: dict[str, Any] = {"users": bench.users, "n_prompt": bench.n_prompt, "n_gen": bench.n_gen, "depth": bench.depth,
                            "objective": objective}
