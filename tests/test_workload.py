@@ -148,6 +148,10 @@ def test_a_four_user_tune_writes_its_workload_and_exports_it(models, tuner_home)
     assert "OLLAMA_NUM_PARALLEL=4" in export_args(profile, "ollama")
     again = Profile.from_dict(json.loads(result.profile_path.read_text()))
     assert again.workload == w
+    shown = CliRunner().invoke(cli, ["profile", "show", str(result.profile_path)])
+    assert shown.exit_code == 0, shown.output
+    assert "workload  4 user(s) at once, 64 prompt / 16 generated tokens at depth 0, objective aggregate" in shown.output
+    assert f"aggregate tg {w.aggregate_tg.median:.1f} t/s" in shown.output and "at 2 user(s): aggregate" in shown.output
     # the knee: the winner (and the next contender) at 1, 2 and 4 users, 4 being the profile's own figures
     winner = sorted(p.users for p in w.curve if p.candidate == "winner")
     assert winner == [1, 2, 4]
