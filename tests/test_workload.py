@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -94,6 +95,21 @@ def test_the_llama_cpp_engine_measures_several_users_with_llama_batched_bench(mo
         assert "kv_unified            = true" in result.log and "n_seq_max             = 2" in result.log
         at_depth = engine.run(s, BenchSpec(n_prompt=32, n_gen=8, depth=64, repetitions=1, users=2))
         assert at_depth.outcome.value == "bad_settings" and "no depth" in at_depth.message
+
+
+def test_a_tune_for_several_users_without_llama_batched_bench_stops_before_any_trial(models, llama_bin, tmp_path, tuner_home):
+    import shutil
+
+    from tuner.engine.llamacpp import LlamaCppEngine
+    from tuner.errors import StudyError
+    from tuner.search.study import Tuner
+
+    only_bench = tmp_path / "bin"
+    only_bench.mkdir()
+    shutil.copy2(Path(llama_bin) / "llama-bench", only_bench / "llama-bench")
+    with LlamaCppEngine(only_bench) as engine:
+        with pytest.raises(StudyError, match="^--users 2: the llama-cpp engine measures several users with llama-batched-bench"):
+            Tuner(str(models["q8_0"]), users=2, machine=machine(), engine=engine, min_ctx=512, n_prompt=64, n_gen=16)
 
 
 def test_bench_compares_counts_of_users(models):

@@ -252,6 +252,12 @@ class Tuner:
         for path, why in self.rejected.items():
             self.emit({"kind": "rejected", "path": path, "reason": why})
 
+        binaries = getattr(engine, "binaries", None)
+        if users > 1 and binaries is not None and binaries.get("llama-batched-bench") is None:
+            # said before anything runs, not as the same refusal on every trial
+            raise StudyError(f"--users {users}: the llama-cpp engine measures several users with llama-batched-bench, and "
+                             f"{binaries.folder} has none: build it (cmake --build build --target llama-batched-bench) "
+                             "or use --engine python")
         self.machine = machine or probe(rpc_servers=self.rpc_servers, engine=engine)
         self.engine = engine
         self.quality: QualityReport | None = None
@@ -769,7 +775,6 @@ class Tuner:
 
 def workload_of(bench: BenchSpec, objective: str, pp: dict[str, Any] | None, tg: dict[str, Any] | None) -> dict[str, Any]:
     """The profile's ``workload``: what it was tuned for, and its figures at that load."""
-
     out: dict[str, Any] = {"users": bench.users, "n_prompt": bench.n_prompt, "n_gen": bench.n_gen, "depth": bench.depth,
                            "objective": objective}
     if bench.min_user_tg is not None:
