@@ -2,9 +2,12 @@
 
     python examples/serve_from_profile.py ~/models/Qwen3-8B-Q4_K_M.gguf --port 8080
     python examples/serve_from_profile.py ~/models/Qwen3-8B-Q4_K_M.gguf --server-bin ~/llama.cpp/build/bin/llama-server
+    python examples/serve_from_profile.py ~/models/Qwen3-8B-Q4_K_M.gguf --parallel 4   # 4 slots (-np 4)
 
 The profile is checked against the memory free right now (and adjusted, loudly, if it no longer
-fits) before llama-server starts; `--print` shows the command instead of running it.
+fits) before llama-server starts; `--print` shows the command instead of running it. The server
+gets the profile's `-np` (the users it was tuned for); `--parallel N` serves N at once, and a
+profile tuned for another number says what memory that needs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--strict", action="store_true", help="refuse to start if the profile no longer fits as recorded")
+    parser.add_argument("--parallel", "-np", type=int, default=None,
+                        help="requests served at once (llama-server's slots; default: the users the profile was tuned for)")
     parser.add_argument("--print", dest="print_only", action="store_true", help="print the command, do not run it")
     parser.epilog = "Flags after -- go to llama-server as they are, e.g. -- --parallel 2"
     argv = sys.argv[1:]
@@ -41,19 +46,23 @@ def main() -> int:
         try:
             # llama_bin: this app runs llama.cpp's binaries, so a profile measured on another build says so
             folder = os.path.dirname(os.path.abspath(server)) if server and os.path.isfile(server) else None
-            profile = load_profile(args.model, strict=args.strict, llama_bin=folder)
+            # users: a profile tuned for another number of users says what serving this many needs
+            profile = load_profile(args.model, strict=args.strict, llama_bin=folder, users=args.parallel)
         except TunerError as exc:
             print(f"cannot use a profile: {exc}", file=sys.stderr)
             return 1
     for warning in caught:
-        if issubclass(warning.category, LlamaBuildWarning):
+        if issubclass(warning.category, LlamaBuildWarning) or "user(s) at once" in str(warning.message):
             print(f"note: {warning.message}", file=sys.stderr)
     for change in profile.degradation:
         print(f"changed to fit now: {change}", file=sys.stderr)
 
+    flags = tool_args(profile, "llama-server", model_path=os.fspath(args.model))
+    if args.parallel is not None:
+        flags[flags.index("-np") + 1] = str(args.parallel)  # the profile's -np: the users it was tuned for
     command = [
         server or "llama-server",
-        *tool_args(profile, "llama-server", model_path=os.fspath(args.model)),
+        *flags,
         "--host", args.host,
         "--port", str(args.port),
         *extra,

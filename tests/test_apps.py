@@ -542,12 +542,18 @@ def test_serve_from_profile_starts_the_server_with_the_profile_flags(profile_for
     fake_server = tmp_path / "llama-server"
     fake_server.write_text('#!/bin/sh\necho "llama-server got: $*"\n')
     fake_server.chmod(0o755)
-    proc = _run_example("serve_from_profile.py", str(model), "--server-bin", str(fake_server), "--port", "9000", "--", "--parallel", "2", tuner_home=tuner_home)
+    proc = _run_example("serve_from_profile.py", str(model), "--server-bin", str(fake_server), "--port", "9000", "--", "--metrics",
+                        tuner_home=tuner_home)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == (
-        f"llama-server got: -m {model} -ngl 0 -c 512 -b 64 -ub 64 -t 1 -tb 1 -fa auto -ctk f16 -ctv f16 "
-        "--host 127.0.0.1 --port 9000 --parallel 2\n"
+        f"llama-server got: -m {model} -ngl 0 -c 512 -b 64 -ub 64 -t 1 -tb 1 -fa auto -ctk f16 -ctv f16 -np 1 "
+        "--host 127.0.0.1 --port 9000 --metrics\n"
     )
+    # serving two at once with a profile tuned for one: -np 2, and the memory that needs, said
+    two = _run_example("serve_from_profile.py", str(model), "--server-bin", str(fake_server), "--parallel", "2", tuner_home=tuner_home)
+    assert two.returncode == 0, two.stderr
+    assert " -np 2 --host" in two.stdout
+    assert "was tuned for 1 user(s) at once" in two.stderr and "serving 2 (-np 2)" in two.stderr
     missing = _run_example("serve_from_profile.py", str(model), "--server-bin", str(tmp_path / "nope"), tuner_home=tuner_home)
     assert missing.returncode == 2
     assert missing.stderr.startswith(f"cannot start llama-server: {tmp_path / 'nope'} is not an executable file.")

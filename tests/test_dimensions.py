@@ -30,7 +30,8 @@ from tuner.profile.exports import llama_server_env, ollama_modelfile
 FAR = Settings(
     model_path="/m/model.gguf", n_gpu_layers=7, split_mode="row", main_gpu=1, tensor_split=(3.0, 1.0), n_ctx=8192,
     n_batch=1024, n_ubatch=256, n_threads=6, n_threads_batch=12, flash_attn="on", type_k="q8_0", type_v="q4_0",
-    offload_kqv=False, swa_full=True, kv_unified=True, use_mmap=False, use_mlock=True, op_offload=False, tensor_overrides=(r"blk\.0\.ffn_up\.weight",),
+    offload_kqv=False, swa_full=True, kv_unified=True, n_parallel=4, use_mmap=False, use_mlock=True, op_offload=False,
+    tensor_overrides=(r"blk\.0\.ffn_up\.weight",),
     n_cpu_moe=2, repack=False,
     rpc_servers=("10.0.0.2:50052",),
     devices=("RPC0", "CUDA0"),
@@ -39,6 +40,7 @@ FAR = Settings(
 
 def far_profile() -> Profile:
     document = profile_dict(**{k: v for k, v in FAR.to_dict().items()})
+    document["workload"]["users"] = FAR.n_parallel
     return Profile.from_dict(document)
 
 
@@ -75,7 +77,7 @@ def test_a_default_writes_no_optional_flag():
     # what llama.cpp takes by default is left out, except the values every profile states
     plain = Settings(model_path="m.gguf")
     assert plain.cli_args("llama-server") == ["-m", "m.gguf", "-ngl", "0", "-c", "4096", "-b", "2048", "-ub", "512",
-                                             "-fa", "auto", "-ctk", "f16", "-ctv", "f16"]
+                                             "-fa", "auto", "-ctk", "f16", "-ctv", "f16", "-np", "1"]
 
 
 def test_every_dimension_is_spelled_for_each_tool_or_says_why():

@@ -396,8 +396,11 @@ def test_the_settings_llama_bench_can_set_come_from_its_help_and_the_dimension_t
 
     with LlamaCppEngine(llama_bin) as engine:
         supported = engine.supported_settings()
-        # llama-bench has no option for these: it always runs them at llama.cpp's own value
-        assert {"swa_full", "kv_unified"}.isdisjoint(supported)
+        # llama-bench has no option for these: it always runs them at llama.cpp's own value (kv_unified and
+        # n_parallel come with llama-batched-bench, which measures several users, where the folder has it)
+        assert "swa_full" not in supported
+        batched = engine.binaries.get("llama-batched-bench") is not None
+        assert ({"kv_unified", "n_parallel"} <= supported) == batched and ("kv_unified" in supported) == batched
         assert {"n_gpu_layers", "tensor_split", "type_k", "flash_attn", "op_offload", "use_mlock", "n_cpu_moe"} <= supported
         refused = engine.run(settings(models["q8_0"], swa_full=True), QUICK)
         assert refused.outcome is Outcome.BAD_SETTINGS

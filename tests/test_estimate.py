@@ -265,3 +265,34 @@ def test_n_cpu_moe_estimate_matches_llama_cpp_with_an_offloaded_device(models, r
                 assert kv == pytest.approx(kv_est, rel=0.01, abs=printed), (n_cpu_moe, name)
                 # a device left with no FFN weights is overestimated by up to ~30% (its attention stage)
                 assert c == pytest.approx(c_est, rel=0.35), (n_cpu_moe, name, c, c_est)
+
+
+# -- several users (issue 21): the cache holds every sequence, one stream or one each -------------------
+
+
+@pytest.mark.parametrize("name", ["q8_0", "swa"])
+def test_estimate_for_several_users_matches_llama_cpp(models, name):
+    """n_parallel 4, unified or per sequence, on llama.cpp's real buffers (a batch of 4 sequences
+    decoded): KV within 1% (a sliding-window cache is per sequence: 4 users, 4 windows), compute
+    within 15%; and the arithmetic's own facts: 4 windows cost 4 x one, a full-attention cache is
+    the context whichever the layout."""
+    from tuner.engine.base import BenchSpec
+    from tuner.engine.python import TrialRunner
+    from tuner.model.estimate import kv_layout
+
+    info = inspect(models[name])
+    printed = 0.006 * MiB
+    with TrialRunner() as runner:
+        for ctx, ub, unified in ((4096, 512, False), (4096, 256, True), (2000, 128, False)):
+            s = at(info, n_ctx=ctx, n_batch=512, n_ubatch=ub, flash_attn="on", n_threads=2, use_mmap=False,
+                   n_parallel=4, kv_unified=unified)
+            result = runner.run(s, BenchSpec(n_prompt=8, n_gen=2, repetitions=1, warmup=False, users=4))
+            assert result.ok, result.message
+            assert f"kv_unified            = {'true' if unified else 'false'}" in result.log
+            w, w_est, kv, kv_est, c, c_est = _compare(result, estimate(info, s), CPU)
+            assert kv == pytest.approx(kv_est, rel=0.01, abs=printed), (ctx, ub, unified)
+            assert c == pytest.approx(c_est, rel=0.15), (ctx, ub, unified)
+    one = kv_layout(8192, 512, 256, False)
+    four = kv_layout(8192, 512, 256, False, n_seq=4)
+    assert four.total[1] == 4 * one.total[1] and four.total[0] == one.total[0] == 8192
+    assert kv_layout(8192, 512, 256, False, n_seq=4, unified=True).total == (8192, 4 * 256 + 512)

@@ -74,7 +74,8 @@ def newer_profile() -> Profile:
     """The settings llama.cpp gained after wave 1, away from their defaults (each exported only when set)."""
     fingerprint = {"file_name": "Qwen3-30B-A3B-Q4_K_M.gguf", "size": 18_556_686_336, "header_hash": "cd" * 32}
     document = profile_dict(fingerprint=fingerprint, model_path="/home/ana/models/Qwen3-30B-A3B-Q4_K_M.gguf",
-                            swa_full=True, n_cpu_moe=12, kv_unified=True)
+                            swa_full=True, n_cpu_moe=12, kv_unified=True, n_parallel=4)
+    document["workload"]["users"] = 4  # tuned for four users: -np 4, OLLAMA_NUM_PARALLEL=4
     return Profile.from_dict(document).replace(path="/team/profiles/qwen3-30b-a3b--4090.json")
 
 

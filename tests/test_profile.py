@@ -134,6 +134,7 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
         "offload_kqv": True,
         "swa_full": False,
         "kv_unified": False,
+        "n_parallel": 1,
         "use_mmap": True,
         "use_mlock": False,
         "op_offload": True,
@@ -216,6 +217,11 @@ def profile_dict(machine: Machine | None = None, fingerprint: dict | None = None
             "chunks": 20,
         },
         "quality_budget": {"max_kl": 0.05, "max_ppl_increase": None, "min_tg": None, "min_pp": None, "target_met": None},
+        "workload": {"users": 1, "n_prompt": 512, "n_gen": 128, "depth": 0, "objective": "tg", "min_user_tg": None,
+                     "aggregate_tg": {"median": 141.2, "ci_low": 140.7, "ci_high": 141.7},
+                     "per_user_tg": {"median": 141.2, "ci_low": 140.7, "ci_high": 141.7},
+                     "ttft_s": {"p50": 0.08365, "p95": 0.08372, "ci_low": 0.08358, "ci_high": 0.08372,
+                                "samples": [0.08358, 0.08365, 0.08372]}},
     }
 
 
@@ -317,7 +323,7 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d["machine"].update(gpu=[]), "machine.gpu: unknown key; expected one of: fingerprint, hardware_class, cpu_model, physical_cores, logical_cores, ram_total, gpus, unified_memory, system, arch, devices"),
         (lambda d: d.update(min_ctx="8192"), "min_ctx: expected an integer, got '8192'"),
         (lambda d: d.update(min_ctx=65536), "min_ctx: expected at most settings.n_ctx (32768), got 65536"),
-        (lambda d: d.update(objective="speed"), "objective: expected one of tg, pp, mixed, got 'speed'"),
+        (lambda d: d.update(objective="speed"), "objective: expected one of tg, pp, mixed, aggregate, per-user, ttft, got 'speed'"),
         (lambda d: d.update(created_at="2026-03-01 12:00"), "created_at: expected an ISO-8601 UTC time such as 2026-03-01T12:00:00Z (UTC, with its Z or +00:00), got '2026-03-01 12:00'"),
         (lambda d: d.update(created_at="yesterday"), "created_at: expected an ISO-8601 UTC time such as 2026-03-01T12:00:00Z, got 'yesterday'"),
         (lambda d: d["measured"]["tg"]["samples"].append(float("nan")), "measured.tg.samples[3]: expected a number, got nan"),
@@ -328,7 +334,7 @@ def test_keys_the_docstring_table_documents_are_the_keys_written():
         (lambda d: d.update(layers_offloaded=38), "layers_offloaded: expected at most layers_total (37), got 38"),
         (lambda d: d["trials"].update(oom=None), "trials.oom: expected an integer, got null"),
         (lambda d: d.update(study={"name": ""}), "study.name: expected a non-empty string, got ''"),
-        (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, engine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study, quality, quality_budget"),
+        (lambda d: d.update(extra=1), "extra: unknown key; expected one of: schema_version, tool_version, created_at, machine, engine, llama_build, model, settings, min_ctx, objective, measured, memory, sizing, layers_offloaded, layers_total, runner_up, trials, study, quality, quality_budget, workload"),
         (lambda d: d.update(schema_version=1.0), f"schema_version: expected \"MAJOR.MINOR\" such as \"{SCHEMA_VERSION}\", got 1.0"),
     ],
 )
@@ -377,10 +383,13 @@ def test_newer_minor_without_unknown_keys_warns_too():
 
 
 def _before_1_4(document: dict) -> dict:
-    """A document as 1.3 (and before) wrote it: without the repack setting and the device list 1.4 added."""
+    """A document as 1.3 (and before) wrote it: without the repack setting, the device list, the workload and
+    n_parallel 1.4 added."""
+    document.pop("workload", None)
     for settings in (document["settings"], (document.get("runner_up") or {}).get("settings", {})):
         settings.pop("devices", None)
         settings.pop("repack", None)
+        settings.pop("n_parallel", None)
     return document
 
 

@@ -45,6 +45,27 @@ def test_more_layers_on_the_faster_device_is_faster_until_out_of_memory():
     assert speeds[-1] > 5 * speeds[boundary - 1] > 5 * speeds[0]
 
 
+def test_batched_decode_reads_the_weights_once_for_all_users():
+    """Four users decoding together (issue 21): each step reads the weights once for four tokens and
+    every user's own cache, so aggregate speed grows (nearly 4x while the weights dominate, less when
+    the caches do) and each user's own speed falls; their four prompts take longer to the first token;
+    four users' caches need memory a single user's does not."""
+    engine, path = one_gpu("a100-80g")
+    n_layer = engine.models[path].n_layer
+    s1 = Settings(model_path=path, n_gpu_layers=n_layer + 1, n_ctx=8192, flash_attn="on", type_k="q8_0", type_v="q8_0")
+    s4 = s1.replace(n_parallel=4, n_ctx=4 * 8192)
+    shallow = dict(n_prompt=512, n_gen=128, depth=0)
+    pp1, one = engine.speed(s1, BenchSpec(**shallow))
+    pp4, four = engine.speed(s4, BenchSpec(**shallow, users=4))
+    assert 3.0 * one < four < 4.0 * one and four / 4 < one
+    deep = dict(n_prompt=512, n_gen=128, depth=6000)
+    _, one_deep = engine.speed(s1, BenchSpec(**deep))
+    _, four_deep = engine.speed(s4, BenchSpec(**deep, users=4))
+    assert four_deep / one_deep < four / one  # at depth the caches, read per user, weigh more
+    assert 4 * 512 / pp4 > 512 / pp1  # time to the first token of four prompts at once
+    assert engine.memory(s4).devices["CUDA0"].kv > 3 * engine.memory(s1).devices["CUDA0"].kv
+
+
 def test_a_faster_gpu_and_a_faster_host_are_faster():
     slow, path = one_gpu("rtx4060ti16")
     fast, _ = one_gpu("rtx4090")

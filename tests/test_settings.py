@@ -72,7 +72,7 @@ def test_server_and_bench_flags():
                  tensor_overrides=(r"blk\.[0-3]\.ffn_.*",), rpc_servers=("127.0.0.1:50052",))
     assert s.cli_args("llama-server") == [
         "-m", "m.gguf", "-ngl", "20", "-ts", "3,1", "-c", "8192", "-b", "2048", "-ub", "512", "-t", "6",
-        "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "-nkvo", "-lm", "none",
+        "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "-nkvo", "-np", "1", "-lm", "none",
         "-ot", r"blk\.[0-3]\.ffn_.*=CPU", "--rpc", "127.0.0.1:50052"]
     assert s.cli_args("llama-bench") == [
         "-m", "m.gguf", "-ngl", "20", "-ts", "3/1", "-b", "2048", "-ub", "512", "-t", "6",

@@ -41,6 +41,7 @@ def _spaces(models) -> dict:
         "two devices": build_space([q8, q4], devices=two, **common),
         "moe": build_space([inspect(models["moe"])], devices=two, **common),
         "swa": build_space([inspect(models["swa"])], devices=one, **common),
+        "four users": build_space([q8], devices=one, users=4, **common),
     }
 
 
@@ -130,13 +131,28 @@ def test_each_searched_dimension_is_asked_somewhere(models):
     asked = set()
     for space in _spaces(models).values():
         asked |= set(space.dimensions())
-    declared = {d.name for d in SEARCHED if d.search.ask is None} - {"n_threads_batch", "type_v", "rpc_servers", "devices", "model_path"}
+    declared = {d.name for d in SEARCHED if d.search.ask is None} - {"n_threads_batch", "type_v", "rpc_servers", "devices", "model_path", "n_parallel"}
     assert declared <= asked, declared - asked
     extra = {"variant", "placement", "placement_layers", "n_gpu_layers", "n_cpu_moe"} | {p for p in asked if p.startswith("layers_on[")}
     assert asked <= declared | extra, asked - declared - extra
     # what the table does not search, it says why
     for dim in DIMENSIONS:
         assert dim.search is not None or dim.not_searched, dim.name
+
+
+def test_several_users_search_the_kv_layout_and_size_the_context_for_all(models):
+    """--users 4: every candidate decodes 4 sequences (n_parallel 4), the context candidates are 4 x
+    each user's, and the KV layout (one unified stream or one per sequence) is asked; one user asks
+    no layout (llama.cpp builds the same cache either way)."""
+    spaces = _spaces(models)
+    four, one = spaces["four users"], spaces["one device"]
+    assert "kv_unified" in four.dimensions() and "kv_unified" not in one.dimensions()
+    assert four.n_ctx == tuple(4 * c for c in one.n_ctx)
+    seen = {(s.n_parallel, s.kv_unified) for s in four.grid()}
+    assert seen == {(4, False), (4, True)}
+    assert {s.n_parallel for s in one.grid()} == {1} and not any(s.kv_unified for s in one.grid())
+    assert four.fingerprint() != build_space([inspect(models["q8_0"])], devices=one.devices, physical_cores=2, logical_cores=4,
+                                             min_ctx=512, n_prompt=1024).fingerprint()
 
 
 def test_placement_and_n_cpu_moe_count_from_the_first_offloaded_layer(models):

@@ -34,6 +34,8 @@ MAX_PROPORTION = float(1 << 60)
 # --n-cpu-moe N [int]: llama.cpp builds one tensor override per layer, each matched against every
 # tensor name at load; the deepest MoE models have about a hundred layers (Qwen3-235B-A22B: 94).
 MAX_CPU_MOE = 1 << 10
+# Parallel sequences (-np, n_seq_max) [uint32]: llama.cpp refuses more than LLAMA_MAX_SEQ (src/llama-cparams.h: 256).
+MAX_PARALLEL = 256
 # The largest value of each numeric setting (tuner.engine.settings applies them by field name).
 SETTING_MAX = {
     "n_gpu_layers": MAX_GPU_LAYERS,
@@ -44,6 +46,7 @@ SETTING_MAX = {
     "n_threads": MAX_THREADS,
     "n_threads_batch": MAX_THREADS,
     "n_cpu_moe": MAX_CPU_MOE,
+    "n_parallel": MAX_PARALLEL,
 }
 
 # -- names and paths -----------------------------------------------------------------------------
@@ -171,7 +174,7 @@ def check_tensor_pattern(pattern: object) -> str | None:
 
 
 __all__ = [
-    "MAX_CTX", "MAX_BATCH", "MAX_GPU_LAYERS", "MAX_CPU_MOE", "MAX_THREADS", "MAX_DEVICES", "MAX_PROPORTION", "SETTING_MAX", "MAX_NAME", "MAX_PATH",
+    "MAX_CTX", "MAX_BATCH", "MAX_GPU_LAYERS", "MAX_CPU_MOE", "MAX_PARALLEL", "MAX_THREADS", "MAX_DEVICES", "MAX_PROPORTION", "SETTING_MAX", "MAX_NAME", "MAX_PATH",
     "MAX_OVERRIDES", "MAX_OVERRIDE_LENGTH", "MIN_PORT", "MAX_PORT", "MAX_GGUF_LAYERS", "MAX_GGUF_EMBD", "MAX_GGUF_HEADS",
     "MAX_GGUF_EXPERTS", "MAX_GGUF_CONTEXT", "MAX_DOCUMENT_INT", "MAX_DOCUMENT_FLOAT",
     "shown", "control_character", "check_name", "check_tensor_pattern", "tensor_regex",

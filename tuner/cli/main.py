@@ -8,6 +8,7 @@ process opened (``tuner.profile.dburl.scrub``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -207,12 +208,16 @@ def _floats(value: str | None) -> tuple[float, ...] | None:
 @click.option("--llama-bin", "llama_bin", type=click.Path(), default=None,
               help="With --compare-fit: the folder of your llama.cpp binaries (default: llama-bench on PATH).")
 @click.option("--rpc", "rpc", default=None, help="With --compare-fit: RPC servers host:port,... used as devices.")
+@click.option("--users", "users", type=click.IntRange(min=1), default=None,
+              help="Concurrent users (llama-server's slots): the KV cache holds every one's context; the same as -np. "
+                   "--ctx is then the total they share.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 # (estimate's own --device/--devices describe a machine to size for; the device list is not a sizing question)
 @settings_options(defaults={"n_gpu_layers": None}, skip=("rpc_servers", "devices"))
 def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_specs: tuple[str, ...], ram: str | None,
                  machine_file: str | None, table: bool, devices: str | None, free_mib: str | None, margin_mib: int,
-                 compare_fit: bool, llama_bin: str | None, rpc: str | None, as_json: bool, **opts: Any) -> None:
+                 compare_fit: bool, llama_bin: str | None, rpc: str | None, users: int | None, as_json: bool,
+                 **opts: Any) -> None:
     """Memory per device (weights, KV cache, compute) before loading anything; what fits on a machine.
 
     Takes bench's settings options (the same names as llama.cpp's); -ngl -1 is every layer.
@@ -230,7 +235,10 @@ def estimate_cmd(model: str, kv_type: str | None, no_flash_attn: bool, device_sp
       offload-tuner estimate hf://OWNER/REPO/model-Q4_K_M.gguf --machine colleague-probe.json --table
       offload-tuner estimate model.gguf --free 8000 --ctx 8192      # older form: most layers in 8000 MiB
       offload-tuner estimate model.gguf -ngl 20 --ctx 8192 --compare-fit --llama-bin ~/llama.cpp/build/bin
+      offload-tuner estimate model.gguf -ngl 99 --ctx 32768 --users 4 --kv-unified
     """
+    if users is not None:
+        opts["n_parallel"] = users
     from ..machine import whatif
     from ..model.estimate import estimate, format_estimate
     from ..model.inspect import inspect
@@ -469,12 +477,15 @@ def format_machine(m: Any, engines: list[dict] | None = None) -> str:
 @click.option("--n-gen", "-n", type=int, default=128, show_default=True, help="Generated tokens per tg sample.")
 @click.option("--depth", "-d", type=int, default=0, show_default=True, help="Tokens already in the context.")
 @click.option("--repetitions", "-r", type=int, default=3, show_default=True)
+@click.option("--users", "users_text", default=None, metavar="N[,N...]",
+              help="Concurrent users: N sequences decoded together, as llama-batched-bench -npl N (a list: each in turn). "
+                   "Sets -np to N; -c is shared by them.")
 @click.option("--timeout", "timeout_s", type=float, default=600, show_default=True, help="Kill the trial after this many seconds.")
 @click.option("--memory-limit", "memory_limit_mib", type=int, default=None, help="Address-space cap for the worker, MiB.")
 @click.option("--log", "log_path", type=click.Path(), default=None, help="Also write llama.cpp's full log here.")
 @engine_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: int, timeout_s: float,
+def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: int, users_text: str | None, timeout_s: float,
               memory_limit_mib: int | None, log_path: str | None, engine: str | None, llama_bin: str | None,
               as_json: bool, **opts: Any) -> None:
     """Run one trial: load MODEL in an isolated llama.cpp process, measure pp and tg.
@@ -486,6 +497,7 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
     Examples:
       offload-tuner bench model.gguf -ngl 20 -c 8192 -fa on -p 512 -n 128 -r 5
       offload-tuner bench model.gguf -ngl 99 --llama-bin ~/llama.cpp/build/bin
+      offload-tuner bench model.gguf -c 16384 --users 1,2,4,8 -p 512 -n 128
     """
     from ..model.inspect import check_model_file
     from ..engine.base import BenchSpec
@@ -504,6 +516,14 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
     if repetitions < 1:
         raise click.BadParameter("at least 1", param_hint="--repetitions")
     bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
+    users = parse_users(users_text) if users_text else None
+    if users is not None and len(users) > 1:
+        _bench_users(settings, bench, users, engine=engine, llama_bin=llama_bin, timeout_s=timeout_s,
+                     memory_limit=memory_limit_mib * MiB if memory_limit_mib else None, as_json=as_json)
+        return
+    if users is not None:
+        settings = settings.replace(n_parallel=users[0])
+    bench = dataclasses.replace(bench, users=settings.n_parallel)
     crash = None
     with open_engine(engine, llama_bin=llama_bin, timeout_s=timeout_s,
                      memory_limit=memory_limit_mib * MiB if memory_limit_mib else None) as runner:
@@ -519,7 +539,8 @@ def bench_cmd(model: str, n_prompt: int, n_gen: int, depth: int, repetitions: in
                 result_log = result.log
         else:
             result_log = result.log
-        note = _context_note(runner, result.settings, bench) if runner.name == "llama-cpp" else None
+        note = (_context_note(runner, result.settings, bench)
+                if runner.name == "llama-cpp" and bench.users == 1 else None)
     if log_path:
         Path(log_path).write_text(result_log, encoding="utf-8")
     data = result.to_dict()
@@ -552,6 +573,51 @@ def _avoid_crash(runner: Any, settings: Any, bench: Any, quiet: bool) -> Any:
 
     finding = investigate(settings, lambda c: runner.run(c, check_bench(bench)), cpu=cpu, on_run=said)
     return finding, without(settings, finding.off)
+
+
+def parse_users(text: str) -> tuple[int, ...]:
+    """``4`` or ``1,2,4,8`` -> the counts of users, each from 1 to llama.cpp's most sequences."""
+    from .. import limits
+
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected a count or a comma-separated list of counts, got {text!r}", param_hint="--users") from None
+    if not values or any(not 1 <= v <= limits.MAX_PARALLEL for v in values):
+        raise click.BadParameter(f"expected counts from 1 to {limits.MAX_PARALLEL}, got {text!r}", param_hint="--users")
+    return values
+
+
+def _bench_users(settings: Any, bench: Any, users: tuple[int, ...], *, engine: str | None, llama_bin: str | None,
+                 timeout_s: float, memory_limit: int | None, as_json: bool) -> None:
+    """One trial per count of users, printed as llama-batched-bench's table (PP, TG, B, S_PP, S_TG,
+    each user's speed and the time to the first token)."""
+    from ..engine.select import open_engine
+    from ..search.objective import workload_figures
+
+    rows = []
+    with open_engine(engine, llama_bin=llama_bin, timeout_s=timeout_s, memory_limit=memory_limit) as runner:
+        for n in users:
+            spec = dataclasses.replace(bench, users=n)
+            result = runner.run(settings.replace(n_parallel=n), spec)
+            rows.append({"users": n, "outcome": result.outcome.value, "message": result.message,
+                         "s_pp": result.pp.median if result.pp else None, "s_tg": result.tg.median if result.tg else None,
+                         **workload_figures(result.pp, result.tg, spec)})
+    if as_json:
+        click.echo(json.dumps({"settings": settings.to_dict(), "bench": bench.to_dict(), "rows": rows}, indent=2))
+    else:
+        click.echo(f"{'B':>4} | {'S_PP t/s':>10} | {'S_TG t/s':>10} | {'per user':>9} | {'TTFT p50 s':>10} | {'TTFT p95 s':>10}")
+        for r in rows:
+            if r["outcome"] != "ok":
+                click.echo(f"{r['users']:>4} | {r['outcome']}: {r['message']}")
+                continue
+            ttft = r.get("ttft_s") or {}
+            per_user = (r.get("per_user_tg") or {}).get("median")
+            cell = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+            click.echo(f"{r['users']:>4} | {cell(r['s_pp'], '10.2f')} | {cell(r['s_tg'], '10.2f')} | {cell(per_user, '9.2f')} | "
+                       f"{cell(ttft.get('p50'), '10.3f')} | {cell(ttft.get('p95'), '10.3f')}")
+    if any(r["outcome"] != "ok" for r in rows):
+        sys.exit(2)
 
 
 def _context_note(engine: Any, settings: Any, bench: Any) -> str:
@@ -713,8 +779,17 @@ class _Progress:
               help="The same model in another quantization (repeatable; a folder of GGUF files works too).")
 @click.option("--trials", type=int, default=None, help="Trials to launch (default 20, or unlimited with --time-budget).")
 @click.option("--time-budget", type=float, default=None, help="Stop starting trials after this many seconds.")
-@click.option("--objective", type=click.Choice(["tg", "pp", "mixed"]), default="tg", show_default=True,
-              help="tg: generation speed; pp: prompt speed; mixed: one request of --n-prompt + --n-gen tokens.")
+@click.option("--objective", type=click.Choice(["tg", "pp", "mixed", "aggregate", "per-user", "ttft"]), default="tg",
+              show_default=True,
+              help="tg: generation speed; pp: prompt speed; mixed: one request of --n-prompt + --n-gen tokens; "
+                   "aggregate: the --users' generation speed together, each at or above --min-user-tg; "
+                   "per-user: each user's own generation speed; ttft: the time to the first token of --n-prompt "
+                   "tokens at --depth (p95 over the repetitions).")
+@click.option("--users", "users_text", default="1", show_default=True, metavar="N[,N...]",
+              help="Concurrent users the profile serves: N sequences decoded together (llama-server's -np N). "
+                   "A list tunes for each in turn (one profile each) and compares them.")
+@click.option("--min-user-tg", type=float, default=None,
+              help="With --objective aggregate: the generation speed (t/s) every user must keep.")
 @click.option("--min-ctx", type=int, default=4096, show_default=True, help="The context you need: never tuned below.")
 @click.option("--depth", type=int, default=0, show_default=True, help="Measure at this many tokens already in context.")
 @click.option("--n-prompt", type=int, default=512, show_default=True, help="Prompt tokens per pp sample.")
@@ -755,7 +830,8 @@ class _Progress:
 @click.option("--report", "report_path", is_flag=False, flag_value="", default=None, metavar="[FILE.html]",
               help="At the end, write the HTML report (to FILE.html, or the data folder's reports/) and print its path.")
 def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
-             objective: str, min_ctx: int, depth: int, n_prompt: int, n_gen: int, repetitions: int, vram_margin: int | None,
+             objective: str, users_text: str, min_user_tg: float | None, min_ctx: int, depth: int, n_prompt: int, n_gen: int,
+             repetitions: int, vram_margin: int | None,
              rpc: str | None, storage: str | None, study_name: str | None, out: str | None, trial_timeout: float,
              no_wait: bool, seed: int, max_kl: float | None, max_ppl_increase: float | None, min_tg: float | None,
              min_pp: float | None, reference: str | None, corpus: str | None, chunks: int, quality_ctx: int,
@@ -811,26 +887,30 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
         check_path(path)  # a URL: tune runs the model, so it must be on disk
     if vram_margin is not None and vram_margin < 0:
         raise SettingsError("--vram-margin", f"expected MiB >= 0, got {vram_margin}")
-    try:
-        with open_engine(engine, llama_bin=llama_bin, timeout_s=trial_timeout) as runner:
-            result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
-                          min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
-                          vram_margin=None if vram_margin is None else vram_margin * MiB, storage=storage, study_name=study_name, out=out,
-                          rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
-                          on_event=_Progress(quiet or as_json), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
-                          min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,
-                          quality_ctx=quality_ctx, quantize=quantize_types or (), imatrix=imatrix,
-                          allow_requantize=allow_requantize, measure_quality=not no_quality, wait=not no_wait,
-                          engine=runner)
-    except SettingsError as exc:
-        # the API names its arguments (time_budget); the command line names its options
-        option = {"time_budget": "--time-budget", "trial_timeout": "--trial-timeout", "min_ctx": "--min-ctx",
-                  "depth": "--depth", "n_prompt": "--n-prompt", "n_gen": "--n-gen", "repetitions": "--repetitions",
-                  "trials": "--trials", "objective": "--objective", "max_kl": "--max-kl",
-                  "max_ppl_increase": "--max-ppl-increase", "min_tg": "--min-tg", "min_pp": "--min-pp"}.get(exc.field)
-        if option is None:
-            raise
-        raise SettingsError(option, str(exc)[len(exc.field) + 2:]) from None
+    users = parse_users(users_text)
+    if len(users) > 1:
+        if out and Path(out).suffix.lower() == ".json":
+            raise click.UsageError("--users with a list writes one profile per count: give --out a folder, not a file")
+        if study_name:
+            raise click.UsageError("--users with a list runs one study per count: leave --study out")
+    results = []
+    for n in users:
+        result = _tune_one(model, users=n, variants=variants, trials=trials, time_budget=time_budget, objective=objective,
+                           min_user_tg=min_user_tg, min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen,
+                           repetitions=repetitions, vram_margin=vram_margin, storage=storage, study_name=study_name, out=out,
+                           rpc=rpc, trial_timeout=trial_timeout, seed=seed, quiet=quiet or as_json, max_kl=max_kl,
+                           max_ppl_increase=max_ppl_increase, min_tg=min_tg, min_pp=min_pp, reference=reference,
+                           corpus=corpus, chunks=chunks, quality_ctx=quality_ctx, quantize_types=quantize_types,
+                           imatrix=imatrix, allow_requantize=allow_requantize, no_quality=no_quality, no_wait=no_wait,
+                           engine=engine, llama_bin=llama_bin)
+        results.append((n, result))
+        if len(users) > 1 and not (quiet or as_json):
+            click.echo(f"users {n}: {_workload_line(result)}", err=True)
+    if len(users) > 1 and not (quiet or as_json):
+        click.echo("compared:", err=True)
+        for n, r in results:
+            click.echo(f"  {n} user(s): {_workload_line(r)} -> {r.profile_path}", err=True)
+    result = results[-1][1]
     report = _tune_report(result, report_path, storage) if report_path is not None else None
     if as_json or quiet:
         if as_json:
@@ -931,6 +1011,56 @@ def format_trade(rows: list[dict[str, Any]], report: Any) -> str:
             line = f"  {r['variant'][:30]:<30} {quality}   not tuned: {r['excluded']}"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _tune_one(model: str, *, users: int, variants: tuple[str, ...], trials: int | None, time_budget: float | None,
+              objective: str, min_user_tg: float | None, min_ctx: int, depth: int, n_prompt: int, n_gen: int,
+              repetitions: int, vram_margin: int | None, storage: str | None, study_name: str | None, out: str | None,
+              rpc: str | None, trial_timeout: float, seed: int, quiet: bool, max_kl: float | None,
+              max_ppl_increase: float | None, min_tg: float | None, min_pp: float | None, reference: str | None,
+              corpus: str | None, chunks: int, quality_ctx: int, quantize_types: str | None, imatrix: str | None,
+              allow_requantize: bool, no_quality: bool, no_wait: bool, engine: str | None, llama_bin: str | None) -> Any:
+    """One tune for one count of users (the API's names turned back into the options' on a bad value)."""
+    from ..engine.select import open_engine
+    from ..search.study import tune
+
+    try:
+        with open_engine(engine, llama_bin=llama_bin, timeout_s=trial_timeout) as runner:
+            result = tune(model, variants=variants, trials=trials, time_budget=time_budget, objective=objective, users=users, min_user_tg=min_user_tg,
+                          min_ctx=min_ctx, depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions,
+                          vram_margin=None if vram_margin is None else vram_margin * MiB, storage=storage, study_name=study_name, out=out,
+                          rpc_servers=tuple(x for x in (rpc or "").split(",") if x), trial_timeout=trial_timeout, seed=seed,
+                          on_event=_Progress(quiet), max_kl=max_kl, max_ppl_increase=max_ppl_increase,
+                          min_tg=min_tg, min_pp=min_pp, reference=reference, corpus=corpus, chunks=chunks,
+                          quality_ctx=quality_ctx, quantize=quantize_types or (), imatrix=imatrix,
+                          allow_requantize=allow_requantize, measure_quality=not no_quality, wait=not no_wait,
+                          engine=runner)
+    except SettingsError as exc:
+        # the API names its arguments (time_budget); the command line names its options
+        option = {"time_budget": "--time-budget", "trial_timeout": "--trial-timeout", "min_ctx": "--min-ctx",
+                  "depth": "--depth", "n_prompt": "--n-prompt", "n_gen": "--n-gen", "repetitions": "--repetitions",
+                  "trials": "--trials", "objective": "--objective", "max_kl": "--max-kl",
+                  "max_ppl_increase": "--max-ppl-increase", "min_tg": "--min-tg", "min_pp": "--min-pp",
+                  "users": "--users", "min_user_tg": "--min-user-tg"}.get(exc.field)
+        if option is None:
+            raise
+        raise SettingsError(option, str(exc)[len(exc.field) + 2:]) from None
+    return result
+
+
+def _workload_line(result: Any) -> str:
+    """Aggregate and per-user generation speed and the time to the first token of a tune's winner."""
+    w = result.profile.workload if result.profile is not None else None
+    if w is None:
+        return "no profile"
+    parts = []
+    if w.aggregate_tg:
+        parts.append(f"aggregate tg {w.aggregate_tg.median:.1f} t/s ({w.aggregate_tg.ci_low:.1f}-{w.aggregate_tg.ci_high:.1f})")
+    if w.per_user_tg:
+        parts.append(f"per user {w.per_user_tg.median:.1f} t/s")
+    if w.ttft_s:
+        parts.append(f"TTFT p50 {w.ttft_s.p50:.3f} s, p95 {w.ttft_s.p95:.3f} s")
+    return ", ".join(parts) or "no figures"
 
 
 @cli.command("rpc-serve")

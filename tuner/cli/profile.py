@@ -179,6 +179,28 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         )
 
 
+def _workload_lines(p: Any) -> list[str]:
+    """What the profile was tuned for (users, their requests) and its figures at that load."""
+    w = p.workload
+    if w is None:
+        return ["  workload  1 user (a profile from before workloads were recorded)"]
+    head = (f"  workload  {w.users} user(s) at once, {w.n_prompt} prompt / {w.n_gen} generated tokens at depth {w.depth}, "
+            f"objective {w.objective}" + (f", every user at or above {w.min_user_tg:g} t/s" if w.min_user_tg is not None else ""))
+    figures = []
+    if w.aggregate_tg:
+        figures.append(f"aggregate tg {w.aggregate_tg.median:.1f} t/s (95% CI {w.aggregate_tg.ci_low:.1f}-{w.aggregate_tg.ci_high:.1f})")
+    if w.per_user_tg:
+        figures.append(f"per user {w.per_user_tg.median:.1f} t/s")
+    if w.ttft_s:
+        figures.append(f"time to first token p50 {w.ttft_s.p50:.3f} s, p95 {w.ttft_s.p95:.3f} s")
+    lines = [head] + ([f"            {', '.join(figures)}"] if figures else [])
+    for point in sorted((c for c in w.curve if c.candidate == "winner"), key=lambda c: c.users):
+        if point.aggregate_tg:
+            lines.append(f"            at {point.users} user(s): aggregate {point.aggregate_tg.median:.1f} t/s, "
+                         f"per user {point.aggregate_tg.median / point.users:.1f} t/s")
+    return lines
+
+
 def _llama_line(p: Profile) -> str:
     """Which llama.cpp measured the profile: the engine and its build (a 1.0 profile: llama-cpp-python)."""
     backends = ", ".join(p.llama_build.backends) or "none recorded"
@@ -219,6 +241,7 @@ def show_command(profile: str, as_json: bool) -> None:
         f"pp {m.pp.median:g} t/s (95% CI {m.pp.ci_low:g}-{m.pp.ci_high:g}); "
         f"{m.n_prompt} prompt / {m.n_gen} generated tokens at depth {m.depth}",
         f"  offload   {profile_summary(p)}",
+        *_workload_lines(p),
         "  settings",
     ]
     out += [f"    {key} = {json.dumps(value)}" for key, value in s.to_dict().items()]

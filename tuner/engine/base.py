@@ -63,7 +63,12 @@ def median_interval(values: list[float] | tuple[float, ...], confidence: float =
 
 @dataclass(frozen=True)
 class BenchSpec:
-    """What a trial measures (llama-bench's -p, -n, -d, -r)."""
+    """What a trial measures (llama-bench's -p, -n, -d, -r), and for how many users at once.
+
+    ``users`` > 1 measures as llama-batched-bench does (-npp P -ntg G -npl N): N sequences decoded
+    together in one batch, the KV cache sized for N; pp and tg are then the aggregate S_PP and S_TG.
+    ``min_user_tg`` is the floor each user's own generation speed must reach for the ``aggregate``
+    objective (``tuner.search.objective``); it is not measured, so the worker ignores it."""
 
     n_prompt: int = 512
     n_gen: int = 128
@@ -71,9 +76,36 @@ class BenchSpec:
     repetitions: int = 3
     warmup: bool = True
     seed: int = 1234
+    users: int = 1
+    min_user_tg: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        # one user with no floor is what every spec was before: left out, a study's name stays the same
+        if self.users == 1:
+            del out["users"]
+        if self.min_user_tg is None:
+            del out["min_user_tg"]
+        return out
+
+    def ttft(self, pp: "Stats | None") -> "Stats | None":
+        """Seconds to the first token per repetition: the N prompts of P tokens, processed together
+        at ``depth`` (N*P / S_PP; one user: P / pp)."""
+        if pp is None or not self.n_prompt:
+            return None
+        return Stats.of([self.users * self.n_prompt / x for x in pp.samples if x > 0])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) with linear interpolation between order statistics (numpy's
+    default): p50 is the median, p95 of three samples lies between the two largest."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no samples")
+    k = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 @dataclass(frozen=True)
@@ -268,4 +300,4 @@ class FitAnswer:
     tool: str  # the binary that answered
 
 
-__all__ = ["BenchSpec", "Stats", "TrialResult", "median_interval", "Engine", "EngineBuild", "FitAnswer", "DeviceInfo"]
+__all__ = ["BenchSpec", "percentile", "Stats", "TrialResult", "median_interval", "Engine", "EngineBuild", "FitAnswer", "DeviceInfo"]

@@ -201,6 +201,7 @@ class Facts:
     devices: tuple[str, ...] = ()
     is_moe: bool = False
     has_swa: bool = False
+    users: int = 1  # the workload's concurrent sequences (tuner.engine.base.BenchSpec.users)
     domains: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     supported: frozenset[str] | None = None  # None: every setting
 
@@ -659,7 +660,8 @@ DIMENSIONS: tuple[Dimension, ...] = (
         flags=_server_cli(_value("-c", name="n_ctx")),
         no_flag={"llama-bench": "llama-bench sizes its context from -p/-n/-d; it has no -c"},
         env=Env("LLAMA_ARG_CTX_SIZE"),
-        ollama=Ollama(20, line=lambda s, e: f"PARAMETER num_ctx {s.n_ctx}" if s.n_ctx else None,
+        # per request: ollama starts llama-server with num_ctx x OLLAMA_NUM_PARALLEL (llm/llama_server.go)
+        ollama=Ollama(20, line=lambda s, e: f"PARAMETER num_ctx {s.n_ctx // max(1, s.n_parallel)}" if s.n_ctx else None,
                       note=lambda s, e: None if s.n_ctx else "n_ctx 0 (the model's training context): set num_ctx to that number"),
         search=Search(),
     ),
@@ -820,9 +822,30 @@ DIMENSIONS: tuple[Dimension, ...] = (
                  "llama-bench": "llama-bench has no kv_unified option"},
         env=Env("LLAMA_ARG_KV_UNIFIED", "1"),
         ollama=Ollama(180, note=lambda s, e: "kv_unified true: ollama decides its KV layout itself" if s.kv_unified else None),
-        not_searched=("every trial decodes one sequence, and for one sequence llama.cpp builds the same cache "
-                      "either way (llama-kv-cache.cpp: n_stream = unified ? 1 : n_seq_max); it matters to "
-                      "llama-server's parallel slots, which a trial does not measure"),
+        # One sequence gets the same cache either way (llama-kv-cache.cpp: n_stream = unified ? 1 :
+        # n_seq_max). With several users it is one stream of n_ctx cells that every sequence shares
+        # (a sliding-window cache then holds n_swa * n_seq_max + n_ubatch cells) or one stream per
+        # sequence of n_ctx / n_seq_max cells each; speed and memory differ, so it is searched.
+        search=Search(applies=lambda f, c: f.users > 1,
+                      why_not=lambda f: "one user: llama.cpp builds the same cache either way (n_stream = 1)"),
+    ),
+    Dimension(
+        "n_parallel", "int", 1,
+        check=_at_least(1, "expected a count of sequences >= 1"),
+        option=Option(("--parallel", "-np"), "Sequences decoded together: llama-server's slots (the workload's users)."),
+        no_kwarg="llama_cpp.Llama decodes one sequence at a time",
+        # llama_context_params.n_seq_max: the KV cache is sized for this many sequences
+        c_api=CField("context", "n_seq_max", lambda s: s.n_parallel),
+        # always written for llama-server: its default (-np -1, auto) starts 4 slots with a unified
+        # cache, which is not what a profile tuned for one user measured
+        flags={"llama-server": lambda s, e: ["-np", str(s.n_parallel)]},
+        no_flag={"llama-cli": "llama-cli serves one conversation",
+                 "llama-bench": "llama-bench decodes one sequence; llama-batched-bench's -npl measures several"},
+        env=Env("LLAMA_ARG_N_PARALLEL"),
+        ollama=Ollama(185, note=lambda s, e: f"n_parallel {s.n_parallel}: server-wide in ollama: OLLAMA_NUM_PARALLEL={s.n_parallel} "
+                      "where `ollama serve` runs (ollama multiplies num_ctx by it)"),
+        # the workload's users, not a choice: the space passes them through (as rpc_servers)
+        search=Search(applies=lambda f, c: False, fixed=lambda f, c: f.users),
     ),
     Dimension(
         "use_mmap", "bool", True,

@@ -56,7 +56,7 @@ from .settings import Settings
 MiB = 1 << 20
 # The binaries the engine uses, most needed first. llama-bench measures; the others answer
 # --version and --list-devices, parse exported flags (common/arg.cpp), and fit.
-TOOLS = ("llama-bench", "llama-fit-params", "llama-server", "llama-cli")
+TOOLS = ("llama-bench", "llama-fit-params", "llama-server", "llama-cli", "llama-batched-bench")
 # Tools whose arguments go through common/arg.cpp's parser (the one llama-server and llama-cli use).
 COMMON_PARSERS = ("llama-server", "llama-cli", "llama-fit-params")
 
@@ -329,6 +329,9 @@ class LlamaCppEngine(Engine):
                 out.add(dim.name)
         # a setting another one's flag carries (use_mlock in -lm)
         out |= {dim.name for dim in DIMENSIONS if dim.spelled_by and dim.spelled_by in out}
+        if self.binaries.get("llama-batched-bench") is not None:
+            # several users are measured with llama-batched-bench, which takes -kvu (and sizes n_seq_max)
+            out |= {"kv_unified", "n_parallel"}
         return frozenset(out)
 
     def bench_args(self, settings: Settings, bench: BenchSpec) -> list[str]:
@@ -362,8 +365,74 @@ class LlamaCppEngine(Engine):
                 return f"{dim.name} {getattr(settings, dim.name)!r} cannot be measured with llama-bench: {why}"
         return None
 
+    # -- several users: llama-batched-bench ------------------------------------------------------------
+
+    def batched_args(self, settings: Settings, bench: BenchSpec) -> list[str]:
+        """llama-batched-bench's argv for ``bench.users`` sequences: the settings' llama-server flags
+        (common/arg.cpp parses both; -np is the one it does not take: -npl sizes n_seq_max), and one
+        -npl row per repetition plus a first one that warms up (its own warm-up is 16 tokens)."""
+        args = _drop_flags(settings.cli_args("llama-server"), {"-np"})
+        rows = ",".join([str(bench.users)] * (bench.repetitions + (1 if bench.warmup else 0)))
+        return [*args, "-npp", str(bench.n_prompt), "-ntg", str(bench.n_gen), "-npl", rows, "--output-format", "jsonl"]
+
+    def _batched_pre_check(self, settings: Settings, bench: BenchSpec) -> str | None:
+        if self.binaries.get("llama-batched-bench") is None:
+            return (f"{bench.users} users are measured with llama-batched-bench, and {self.binaries.folder} has none: "
+                    "build it (cmake --build build --target llama-batched-bench) or use --engine python")
+        if not Path(settings.model_path).is_file():
+            return f"model file not found: {settings.model_path}"
+        if bench.depth:
+            return "llama-batched-bench has no depth (-d): measure several users at a depth with --engine python"
+        if settings.n_parallel != bench.users:
+            return f"n_parallel {settings.n_parallel} differs from the {bench.users} users measured"
+        need = bench.users * (bench.n_prompt + bench.n_gen)
+        if settings.n_ctx and need > settings.n_ctx:
+            return f"n_ctx {settings.n_ctx} is smaller than {bench.users} users x {bench.n_prompt + bench.n_gen} tokens"
+        return None
+
+    def _run_batched(self, settings: Settings, bench: BenchSpec, started: float) -> TrialResult:
+        rejected = self._batched_pre_check(settings, bench)
+        if rejected is not None:
+            c = classify(rejected=rejected)
+            return TrialResult(c.outcome, c.message, settings, bench, wall_s=time.perf_counter() - started)
+        tool = self.binaries.get("llama-batched-bench")
+        assert tool is not None
+        # -v: without it the tool prints no llama.cpp log with --output-format jsonl
+        x = self._invoke(self.batched_args(settings, bench), self.timeout_s, tool=tool, json_flags=("-v",))
+        report = parse_log(x.log)
+        rows = []
+        for line in x.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("speed_pp"), (int, float)) and isinstance(row.get("speed_tg"), (int, float)):
+                    rows.append(row)
+        if bench.warmup:
+            rows = rows[1:]
+        reply: dict[str, Any] | None = None
+        if x.returncode == 0:
+            # a row whose context did not fit is skipped without a word (n_ctx_req > n_kv_max): no row is an error
+            reply = {"status": "ok"} if rows else {"status": "error", "message": "llama-batched-bench printed no result row"}
+        elif not x.timed_out and x.returncode is not None and x.returncode > 0:
+            reply = _failure_reply(x.log)
+        c = classify(timed_out=x.timed_out, timeout_s=self.timeout_s, reply=reply, returncode=x.returncode,
+                     oom_in_log=report.oom, error_lines=tuple(report.errors) or _error_lines(x.log),
+                     process="llama-batched-bench")
+        ok = c.outcome is Outcome.OK
+        pp = [float(r["speed_pp"]) for r in rows if bench.n_prompt and r["speed_pp"] > 0]
+        tg = [float(r["speed_tg"]) for r in rows if bench.n_gen and r["speed_tg"] > 0]
+        return TrialResult(outcome=c.outcome, message=c.message, settings=settings, bench=bench,
+                           pp=Stats.of(pp) if ok else None, tg=Stats.of(tg) if ok else None, load=report, log=x.log,
+                           peak_rss=x.peak_rss or None, peak_vram=x.peak_vram, signal=c.signal_name,
+                           returncode=x.returncode, wall_s=time.perf_counter() - started)
+
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
         started = time.perf_counter()
+        if bench.users > 1:
+            return self._run_batched(settings, bench, started)
         rejected = self.pre_check(settings, bench)
         args = self.bench_args(settings, bench)
         if rejected is None:
@@ -409,17 +478,19 @@ class LlamaCppEngine(Engine):
                                    wall_s=base.wall_s, load_s=base.load_s))
         return out
 
-    def _invoke(self, args: Sequence[str], timeout: float) -> "_Invocation":
-        """Run llama-bench in its own process group, stdout (JSON) in a pipe, the log in a file."""
+    def _invoke(self, args: Sequence[str], timeout: float, *, tool: Path | None = None,
+                json_flags: Sequence[str] = ("-o", "json", "-v")) -> "_Invocation":
+        """Run llama-bench (or ``tool``) in its own process group, stdout (JSON) in a pipe, the log in a file."""
         self._count += 1
-        log_path = self.log_dir / f"llama-bench-{os.getpid()}-{self._count}.log"
-        cmd = [str(self.binaries.bench), *args, "-o", "json", "-v"]
+        program = tool or self.binaries.bench
+        log_path = self.log_dir / f"{program.name}-{os.getpid()}-{self._count}.log"
+        cmd = [str(program), *args, *json_flags]
         with open(log_path, "wb") as log:
             try:
                 proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=self.env,
                                         start_new_session=True)
             except OSError as exc:
-                raise EngineError(f"{self.binaries.bench} cannot be started: {exc.strerror or exc}") from None
+                raise EngineError(f"{program} cannot be started: {exc.strerror or exc}") from None
         self._live.add(proc)
         sampler = MemorySampler(proc.pid)
         sampler.start()

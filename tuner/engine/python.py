@@ -176,6 +176,8 @@ class TrialRunner(Engine):
         need = bench.depth + max(bench.n_prompt, bench.n_gen)
         if settings.n_ctx and need > settings.n_ctx:
             return f"n_ctx {settings.n_ctx} is smaller than depth {bench.depth} + {max(bench.n_prompt, bench.n_gen)} test tokens"
+        if bench.users > 1 and settings.n_parallel < bench.users:
+            return f"{bench.users} users need n_parallel {bench.users} or more, got {settings.n_parallel}"
         return None
 
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:

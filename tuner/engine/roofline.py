@@ -410,20 +410,38 @@ class RooflineEngine(Engine):
     # -- speed --------------------------------------------------------------------------------------
 
     def speed(self, s: Settings, bench: BenchSpec = BenchSpec()) -> tuple[float, float]:
-        """Noiseless (prompt t/s, generation t/s) for ``s``, whether or not it fits."""
+        """Noiseless (prompt t/s, generation t/s) for ``s``, whether or not it fits.
+
+        With ``bench.users`` N > 1, as llama-batched-bench measures (S_PP, S_TG): the N prompts fill
+        the batch one sequence after another, so a micro-batch holds tokens of one or more sequences,
+        each reading its own cache; a generation step is one micro-batch of N tokens, one per
+        sequence: the weights are read once for all N, every sequence's cache is read for its token."""
         placement = self.placement(s)
-        tg_time = self.time(s, self.work(s, 1, bench.depth + bench.n_gen / 2), placement)
+        users = max(1, bench.users)
+        if users == 1:
+            tg_time = self.time(s, self.work(s, 1, bench.depth + bench.n_gen / 2), placement)
+        else:
+            context = bench.depth + bench.n_prompt + bench.n_gen / 2
+            tg_time = self.time(s, self.work(s, users, context, sequences=users), placement) / users
         pp_time = 0.0
         done = 0
-        while done < bench.n_prompt:  # prompt in batches of n_batch, each in micro-batches of n_ubatch
-            batch = min(s.n_batch, bench.n_prompt - done)
+        total = bench.n_prompt * users
+        while done < total:  # prompts in batches of n_batch, each in micro-batches of n_ubatch
+            batch = min(s.n_batch, total - done)
             start = done
             while start < done + batch:
                 n = min(s.n_ubatch, done + batch - start)
-                pp_time += self.time(s, self.work(s, n, bench.depth + start + n / 2), placement)
+                if users == 1:
+                    context = bench.depth + start + n / 2
+                    sequences = 1
+                else:  # the sequences this micro-batch's tokens belong to, each at about half its prompt
+                    first, last = start // bench.n_prompt, (start + n - 1) // bench.n_prompt
+                    sequences = last - first + 1
+                    context = bench.depth + min(bench.n_prompt, n / sequences) / 2
+                pp_time += self.time(s, self.work(s, n, context, sequences=sequences), placement)
                 start += n
             done += batch
-        pp = bench.n_prompt / pp_time if bench.n_prompt else 0.0
+        pp = total / pp_time if bench.n_prompt else 0.0
         return pp, 1.0 / tg_time
 
     def placement(self, s: Settings) -> list[str]:
@@ -436,8 +454,9 @@ class RooflineEngine(Engine):
             self._compiled[path] = _Compiled.of(self.models[path])
         return self._compiled[path]
 
-    def work(self, s: Settings, n: int, context: float) -> Work:
-        """The bytes and FLOPs of one micro-batch of ``n`` tokens at ``context`` tokens of cache."""
+    def work(self, s: Settings, n: int, context: float, *, sequences: int = 1) -> Work:
+        """The bytes and FLOPs of one micro-batch of ``n`` tokens at ``context`` tokens of cache,
+        the tokens spread over ``sequences`` sequences, each reading its own cache."""
         c = self.compiled(s.model_path)
         info = c.info
         used = min(1.0, info.expert_used_count / info.expert_count) if info.is_moe else 1.0
@@ -448,7 +467,7 @@ class RooflineEngine(Engine):
         moved = c.mask(s.host_overrides)
         kv_per_token = c.kv_per_token(s.type_k, s.type_v)
         quantized = s.type_k not in _FLOAT_KV or s.type_v not in _FLOAT_KV
-        kv_bytes = context * kv_per_token * (QUANTIZED_KV_COST if quantized else 1.0)
+        kv_bytes = sequences * context * kv_per_token * (QUANTIZED_KV_COST if quantized else 1.0)
         has_kv = kv_per_token > 0
         if not flash_attn_forms(s.flash_attn).enabled:
             kv_bytes = kv_bytes + has_kv * 3.0 * n * context * info.n_head * 4  # f32 scores: written, softmaxed, read

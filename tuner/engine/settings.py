@@ -65,6 +65,7 @@ class Settings:
     offload_kqv: bool = True
     swa_full: bool = False
     kv_unified: bool = False
+    n_parallel: int = 1
     use_mmap: bool = True
     use_mlock: bool = False
     op_offload: bool = True

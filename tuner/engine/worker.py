@@ -159,7 +159,6 @@ class Worker:
         lc = self.llama_cpp
         params = lc.llama_context_default_params()
         _set_fields(params, "context", Settings.from_dict(s))
-        params.n_seq_max = 1
         params.no_perf = False
         _log(f"{LOG_MARK} context begins\n")
         ctx = lc.llama_init_from_model(model or self.model, params)
@@ -192,14 +191,12 @@ class Worker:
         if not ctx:
             return {"status": "context_error", "message": "llama.cpp failed to create the context", "load_s": load_s, "reused_model": reused}
         try:
-            b = _Bench(lc, self.model, ctx, bench)
+            b = _bench_for(lc, self.model, ctx, bench)
             if b.too_small:
                 return {"status": "bad_settings", "message": b.too_small}
             if bench.get("warmup", True):
                 b.warm_up()
-            reps = bench["repetitions"]
-            pp = [b.timed_pp() for _ in range(reps)] if b.P else []
-            tg = [b.timed_tg() for _ in range(reps)] if b.G else []
+            pp, tg = _samples(b, bench["repetitions"])
             return {
                 "status": "ok",
                 "pp_samples": pp,
@@ -299,6 +296,151 @@ class _Bench:
             self._timed(self.gen, self.gen_tokens(min(self.G, 8)))
 
 
+class _Batched:
+    """llama-batched-bench's measurement for ``users`` sequences (tools/batched-bench/batched-bench.cpp,
+    one row of its -npp/-ntg/-npl table with is_pp_shared 0 and is_tg_separate 0), as llama-server's
+    slots decode: one ``llama_batch`` holding every sequence's tokens, each with its own sequence id.
+
+    Per repetition: the cache cleared; ``depth`` tokens of each sequence decoded untimed (the
+    conversation so far); then, timed, the N prompts of P tokens together (the batch built before
+    the clock, decoded in n_batch slices, one synchronize at the end: batched-bench's T_PP, the
+    time to the first token when N requests arrive at once), and G steps of N tokens, one per
+    sequence, each synchronized (T_TG). S_PP = N*P / T_PP and S_TG = N*G / T_TG are the samples,
+    as batched-bench prints them; each user's own speed is S_TG / N.
+
+    Tokens are random vocabulary ids (rand() % n_vocab there), drawn before the clock.
+    """
+
+    def __init__(self, lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> None:
+        self.lc, self.ctx = lc, ctx
+        vocab = lc.llama_model_get_vocab(model)
+        self.n_vocab = lc.llama_vocab_n_tokens(vocab)
+        self.rng = random.Random(bench.get("seed", 1234))
+        self.n_ctx = lc.llama_n_ctx(ctx)
+        self.n_ctx_seq = lc.llama_n_ctx_seq(ctx)
+        self.n_batch = lc.llama_n_batch(ctx)
+        self.N = int(bench.get("users", 1))
+        self.P, self.G, self.D = bench["n_prompt"], bench["n_gen"], bench["depth"]
+        per_seq = self.D + self.P + self.G
+        n_seq_max = lc.llama_n_seq_max(ctx)
+        self.too_small = None
+        if self.N > n_seq_max:
+            self.too_small = f"{self.N} users need n_seq_max {self.N}, the context has {n_seq_max}"
+        elif per_seq > self.n_ctx_seq or self.N * per_seq > self.n_ctx:
+            self.too_small = (f"{self.N} users x (depth {self.D} + {self.P} prompt + {self.G} generated tokens) exceed "
+                              f"n_ctx {self.n_ctx} ({self.n_ctx_seq} per sequence)")
+        self.memory = lc.llama_get_memory(ctx)
+        size = max(1, self.N * max(self.P, self.D, 1), self.N)
+        self._arrays(size)
+
+    def _arrays(self, size: int) -> None:
+        lc = self.lc
+        self.size = size
+        self.token = (lc.llama_token * size)()
+        self.pos = (lc.llama_pos * size)()
+        self.n_seq_id = (ctypes.c_int32 * size)()
+        self.seq = (lc.llama_seq_id * size)()
+        self.seq_ptr = (ctypes.POINTER(lc.llama_seq_id) * size)()
+        self.logits = (ctypes.c_int8 * size)()
+        base = ctypes.addressof(self.seq)
+        width = ctypes.sizeof(lc.llama_seq_id)
+        for i in range(size):
+            self.n_seq_id[i] = 1
+            self.seq_ptr[i] = ctypes.cast(base + i * width, ctypes.POINTER(lc.llama_seq_id))
+
+    def _fill(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        """(token, position, sequence, output) per slot of the batch."""
+        for i, (token, pos, seq, out) in enumerate(rows):
+            self.token[i], self.pos[i], self.seq[i], self.logits[i] = token, pos, seq, out
+
+    def _view(self, start: int, n: int) -> Any:
+        """A batch over slots start..start+n-1 of the arrays (batched-bench's get_sub_batch)."""
+        lc = self.lc
+        at = lambda array, ptr: ctypes.cast(ctypes.addressof(array) + start * ctypes.sizeof(array._type_), ptr)  # noqa: E731
+        return lc.llama_batch(n_tokens=n, token=at(self.token, ctypes.POINTER(lc.llama_token)), embd=None,
+                              pos=at(self.pos, ctypes.POINTER(lc.llama_pos)),
+                              n_seq_id=at(self.n_seq_id, ctypes.POINTER(ctypes.c_int32)),
+                              seq_id=at(self.seq_ptr, ctypes.POINTER(ctypes.POINTER(lc.llama_seq_id))),
+                              logits=at(self.logits, ctypes.POINTER(ctypes.c_int8)))
+
+    def _decode(self, n: int, synchronize: bool) -> None:
+        decode = self.lc.llama_decode
+        for start in range(0, n, self.n_batch):
+            rc = decode(self.ctx, self._view(start, min(self.n_batch, n - start)))
+            if rc != 0:
+                raise DecodeError(rc)
+            if synchronize:
+                self.lc.llama_synchronize(self.ctx)
+        self.lc.llama_synchronize(self.ctx)
+
+    def _rand(self) -> int:
+        return self.rng.randrange(self.n_vocab)
+
+    def _prompts(self, first: int, n: int) -> int:
+        """Fill every sequence's tokens first..first+n-1 (sequence after sequence); returns the count."""
+        rows = [(self._rand(), first + i, j, i == n - 1) for j in range(self.N) for i in range(n)]
+        self._fill(rows)
+        return len(rows)
+
+    def run(self, generate: int | None = None) -> tuple[float, float]:
+        """One repetition: (T_PP, T_TG) in seconds."""
+        lc = self.lc
+        G = self.G if generate is None else generate
+        lc.llama_memory_clear(self.memory, False)
+        if self.D:
+            self._decode(self._prompts(0, self.D), synchronize=False)
+        t_pp = 0.0
+        if self.P:
+            n = self._prompts(self.D, self.P)
+            start = time.perf_counter_ns()
+            self._decode(n, synchronize=False)
+            t_pp = (time.perf_counter_ns() - start) / 1e9
+        steps = [[(self._rand(), self.D + self.P + i, j, True) for j in range(self.N)] for i in range(G)]
+        decode, synchronize, ctx = lc.llama_decode, lc.llama_synchronize, self.ctx
+        batch = self._view(0, self.N)
+        start = time.perf_counter_ns()
+        for rows in steps:
+            for k, (token, pos, seq, out) in enumerate(rows):
+                self.token[k], self.pos[k], self.seq[k], self.logits[k] = token, pos, seq, out
+            rc = decode(ctx, batch)
+            if rc != 0:
+                raise DecodeError(rc)
+            synchronize(ctx)
+        t_tg = (time.perf_counter_ns() - start) / 1e9
+        return t_pp, t_tg
+
+    def warm_up(self) -> None:
+        # a full-width pass, as _Bench does (batched-bench decodes 16 tokens; that left our first
+        # row slow for the same reasons as llama-bench's one-batch warm-up)
+        self.run(generate=min(self.G, 8))
+
+    def timed_both(self) -> tuple[float | None, float | None]:
+        t_pp, t_tg = self.run()
+        pp = self.N * self.P / t_pp if self.P and t_pp > 0 else None
+        tg = self.N * self.G / t_tg if self.G and t_tg > 0 else None
+        return pp, tg
+
+
+def _bench_for(lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> "_Bench | _Batched":
+    """One user: llama-bench's method; several: llama-batched-bench's."""
+    return _Batched(lc, model, ctx, bench) if int(bench.get("users", 1)) > 1 else _Bench(lc, model, ctx, bench)
+
+
+def _samples(b: "_Bench | _Batched", reps: int) -> tuple[list[float], list[float]]:
+    """``reps`` repetitions of pp and tg samples."""
+    if isinstance(b, _Batched):
+        pp: list[float] = []
+        tg: list[float] = []
+        for _ in range(reps):
+            p, g = b.timed_both()
+            if p is not None:
+                pp.append(p)
+            if g is not None:
+                tg.append(g)
+        return pp, tg
+    return ([b.timed_pp() for _ in range(reps)] if b.P else []), ([b.timed_tg() for _ in range(reps)] if b.G else [])
+
+
 def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
     """Measure several candidates side by side: every model loaded and every context created
     first, then rounds in which each candidate runs once, in rotating order.
@@ -326,7 +468,7 @@ def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
             if not ctx:
                 return {"status": "context_error", "message": "llama.cpp failed to create a context"}
             contexts.append(ctx)
-            b = _Bench(lc, models[key], ctx, bench)
+            b = _bench_for(lc, models[key], ctx, bench)
             if b.too_small:
                 return {"status": "bad_settings", "message": b.too_small}
             benches.append(b)
@@ -337,11 +479,9 @@ def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:
         order = list(range(len(benches)))
         for r in range(rounds):
             for i in order[r % len(order):] + order[: r % len(order)]:
-                for _ in range(bench["repetitions"]):
-                    if benches[i].P:
-                        pp[i].append(benches[i].timed_pp())
-                    if benches[i].G:
-                        tg[i].append(benches[i].timed_tg())
+                more_pp, more_tg = _samples(benches[i], bench["repetitions"])
+                pp[i] += more_pp
+                tg[i] += more_tg
         return {"status": "ok", "pp_samples": pp, "tg_samples": tg, "peak_rss": _peak_rss()}
     except DecodeError as exc:
         return {"status": "context_error", "message": f"llama_decode returned {exc.code}"}

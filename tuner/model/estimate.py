@@ -24,6 +24,7 @@ Each setting the arithmetic reads: ``n_gpu_layers`` (every layer: ``special.offl
 ``tensor_split``, ``n_ctx`` (0: ``special.context_tokens``), ``n_ubatch``, ``flash_attn``
 (``special.flash_attn_forms``), ``type_k``, ``type_v``, ``offload_kqv``, ``swa_full`` (a
 sliding-window layer holds ``min(n_ctx, n_swa + n_ubatch)`` cells unless it is set), ``host_overrides``,
+``n_parallel`` and ``kv_unified`` (the sequences the cache holds, in one stream or one each: ``kv_layout``),
 ``split_mode``, ``main_gpu``, ``use_mmap`` and ``repack``. The others (batch, threads, mlock, op_offload)
 change no buffer llama.cpp allocates.
 
@@ -64,16 +65,47 @@ def pad(value: int, multiple: int) -> int:
     return ((value + multiple - 1) // multiple) * multiple
 
 
-def cache_cells(n_ctx: int, n_ubatch: int, sliding_window: int | None, swa_full: bool) -> tuple[int, int]:
-    """KV cells per layer: (a full-context layer's, a sliding-window layer's).
+@dataclass(frozen=True)
+class KVLayout:
+    """How llama.cpp lays out the KV cache for ``n_seq`` sequences: ``streams`` buffers of ``cells``
+    cells for a full-attention layer and ``swa_cells`` for a sliding-window layer, each."""
 
-    llama.cpp pads the context to 256 cells (llama-context.cpp); a sliding-window layer holds its
-    window and one micro-batch, padded too, or the whole context with ``swa_full``
-    (llama-kv-cache-iswa.cpp: ``GGML_PAD(min(size_base, n_swa + n_ubatch), 256)``, one sequence)."""
-    cells = pad(n_ctx, 256)
+    streams: int
+    cells: int
+    swa_cells: int
+
+    @property
+    def total(self) -> tuple[int, int]:
+        return self.streams * self.cells, self.streams * self.swa_cells
+
+
+def kv_layout(n_ctx: int, n_ubatch: int, sliding_window: int | None, swa_full: bool, *, n_seq: int = 1,
+              unified: bool = False) -> KVLayout:
+    """The KV cache for ``n_seq`` sequences (llama-server's slots), as llama.cpp sizes it.
+
+    llama.cpp pads the context to 256 cells (llama-context.cpp). A unified cache is one stream of
+    all of it, shared by every sequence; otherwise each sequence has its own stream of
+    ``n_ctx / n_seq`` cells, padded to 256 again (``n_ctx_seq``; llama-kv-cache.cpp: ``n_stream =
+    unified ? 1 : n_seq_max``). A sliding-window layer's stream holds its window and one
+    micro-batch, padded: ``GGML_PAD(min(size_base, n_swa * (unified ? n_seq_max : 1) + n_ubatch), 256)``
+    (llama-kv-cache-iswa.cpp), so per sequence it costs the same window either way: 4 users, 4
+    windows; or the whole stream with ``swa_full``."""
+    n_seq = max(1, n_seq)
+    padded = pad(n_ctx, 256)
+    streams = 1 if unified or n_seq == 1 else n_seq
+    cells = padded if streams == 1 else pad(padded // n_seq, 256)
     if swa_full or not sliding_window:
-        return cells, cells
-    return cells, pad(min(cells, sliding_window + n_ubatch), 256)
+        return KVLayout(streams, cells, cells)
+    return KVLayout(streams, cells, pad(min(cells, sliding_window * (n_seq if unified else 1) + n_ubatch), 256))
+
+
+def cache_cells(n_ctx: int, n_ubatch: int, sliding_window: int | None, swa_full: bool, *, n_seq: int = 1,
+                unified: bool = False) -> tuple[int, int]:
+    """KV cells per layer over every sequence: (a full-context layer's, a sliding-window layer's).
+
+    One sequence: the context padded to 256 cells; a sliding-window layer its window and one
+    micro-batch, padded too, or the whole context with ``swa_full``. Several: ``kv_layout``."""
+    return kv_layout(n_ctx, n_ubatch, sliding_window, swa_full, n_seq=n_seq, unified=unified).total
 
 
 @dataclass(frozen=True)
@@ -341,8 +373,11 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     # KV cache, per layer, padded cells. A sliding-window layer's cache holds the window and a
     # micro-batch (llama_kv_cache_iswa: min(n_ctx, n_swa + n_ubatch), padded), or all of n_ctx
     # with swa_full.
+    # With several sequences (n_parallel, llama-server's slots): kv_layout's streams.
     swa = set(model.swa_layers) if model.sliding_window else set()
-    cells, swa_cells = cache_cells(n_ctx, n_ubatch, model.sliding_window if swa else None, swa_full)
+    layout = kv_layout(n_ctx, n_ubatch, model.sliding_window if swa else None, swa_full,
+                       n_seq=getattr(settings, "n_parallel", 1), unified=getattr(settings, "kv_unified", False))
+    cells, swa_cells = layout.total
     for il in range(n_layer):
         per_token = model.kv_bytes_per_token_layer(il, type_k, type_v)
         device = placement[il] if offload_kqv else CPU
@@ -350,8 +385,10 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
 
     # The KQ masks each backend holds: one per kind of cache its layers read (full-context and
     # sliding-window caches each have their own); the host, which builds the graph's inputs,
-    # holds every kind the model has.
-    cells_of = {False: cells, True: swa_cells}
+    # holds every kind the model has. With one stream per sequence, the worst-case micro-batch is
+    # split among the streams (n_ubatch / n_stream tokens against each stream's cells): the masks
+    # and attention scores are those of one stream's cells for all n_ubatch tokens.
+    cells_of = {False: layout.cells, True: layout.swa_cells}
     kinds: dict[str, set[bool]] = {d: set() for d in [CPU, *devices]}
     for il in range(n_layer):
         if il in model.kv_layers or not model.kv_layers:
@@ -359,7 +396,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
     every_kind = sorted(set().union(*kinds.values()) or {False})
 
     def masks_of(device: str) -> list[int]:
-        return [cells_of[k] for k in sorted(kinds[device])] or [cells]
+        return [cells_of[k] for k in sorted(kinds[device])] or [layout.cells]
 
     # Compute buffers. Each backend that runs layers reserves its own graph peak. A host that
     # runs layers also holds the logits (they land on the host), so it gets the output stage.
@@ -378,7 +415,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
         runs_output = placement[n_layer] == device
         if device == CPU:
             if host_runs_layers:
-                compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                compute[device] = compute_buffer(model, n_ctx=layout.cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
                                                  has_output=True, has_layers=runs_layers,
                                                  masks=[cells_of[k] for k in every_kind])
             else:
@@ -386,7 +423,7 @@ def estimate(model: ModelInfo, settings: Any, *, devices: Sequence[str] | None =
                                    + ((5 if flash_attn else 9) if pipeline else (2 if flash_attn else 3)) * row
                                    + moved_stage_buffer(model, n_ubatch=n_ubatch, stages=moved_to_host))
         elif runs_layers or runs_output:
-            compute[device] = compute_buffer(model, n_ctx=cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
+            compute[device] = compute_buffer(model, n_ctx=layout.cells, n_ubatch=n_ubatch, flash_attn=flash_attn,
                                              has_output=runs_output, has_layers=runs_layers, host=False,
                                              masks=masks_of(device), stages=stages_on[device])
             if pipeline:

@@ -300,11 +300,13 @@ def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, 
 LLAMA_CPP_TOOLS = {
     "llama-bench": ("tools/llama-bench/llama-bench.cpp", "tools/llama-bench/main.cpp"),
     "llama-fit-params": ("tools/fit-params/fit-params.cpp", "tools/fit-params/main.cpp"),
+    # N sequences decoded together (-npl): what the python engine's --users measurement is compared with
+    "llama-batched-bench": ("tools/batched-bench/batched-bench.cpp", "tools/batched-bench/main.cpp"),
 }
 
 
 def build_llama_cpp_tools(out_dir: str | os.PathLike[str], *, source: Path | None = None) -> Path:
-    """Build llama-bench and llama-fit-params from the llama.cpp sources that match the installed
+    """Build llama-bench, llama-fit-params and llama-batched-bench from the llama.cpp sources that match the installed
     llama-cpp-python, into ``out_dir``: a folder of real llama.cpp binaries for ``--llama-bin`` (what
     tests and CI give the llama-cpp engine). Optimized and without asserts, like a release build.
 
@@ -333,5 +335,8 @@ def llama_cpp_env() -> dict[str, str]:
     import sysconfig
 
     libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
-    env = {**os.environ, "LD_LIBRARY_PATH": f"{libdir}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    # (no empty entry: the dynamic loader reads one as the current folder, and llama-batched-bench
+    # started that way printed nothing and exited 0)
+    paths = [str(libdir)] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(paths)}
     return {k: v for k, v in env.items() if not k.startswith("LLAMA_ARG_")}

@@ -94,6 +94,7 @@ def load_profile(
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
     registry: str | None = None,
     llama_bin: str | os.PathLike[str] | None = None,
+    users: int | None = None,
 ) -> Profile:
     """The best profile for this model file on this machine, checked (and if needed degraded) to fit now.
 
@@ -104,6 +105,8 @@ def load_profile(
     ``OFFLOAD_TUNER_REGISTRY``; see ``tuner.profile.registry``), and its answer cached locally.
     ``llama_bin``: the folder of the llama.cpp binaries this app runs the profile with (llama-server...);
     by default the app runs llama-cpp-python. A profile measured on another build is a warning.
+    ``users``: the requests the app serves at once (llama-server's -np, OLLAMA_NUM_PARALLEL); a profile
+    tuned for another number is a warning that says the memory it will need (``serving_note``).
     Raises ``NoMatchingProfileError`` listing each profile found and why it did not match.
     """
     fingerprint = model_fingerprint(model_path)
@@ -132,7 +135,9 @@ def load_profile(
     if not candidates:
         raise NoMatchingProfileError(_no_match_message(model_path, fingerprint, machine, rejected, folders))
     best = min(candidates, key=lambda c: c[:4])[-1]
-    return _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes, _app_build(llama_bin))
+    checked = _check(best, model_path, fingerprint, machine, probed, strict, margin_bytes, _app_build(llama_bin))
+    _warn_users(checked, users)
+    return checked
 
 
 def _match(entries: list, folders: list, fingerprint: dict, machine: "Machine") -> tuple[list, list[str]]:
@@ -243,17 +248,59 @@ def check_profile(
     strict: bool = False,
     margin_bytes: int = DEFAULT_MARGIN_BYTES,
     llama_bin: str | os.PathLike[str] | None = None,
+    users: int | None = None,
 ) -> Profile:
     """Check one profile against this model file and this machine now; return it ready to load.
 
     The returned profile has the app's ``model_path`` and, where it no longer fits, the degraded
     settings with ``degradation`` saying what changed and why. ``strict=True`` raises
-    ``ProfileMismatchError`` instead of changing anything. ``llama_bin``: as for ``load_profile``.
+    ``ProfileMismatchError`` instead of changing anything. ``llama_bin``, ``users``: as for ``load_profile``.
     """
     probed = machine is None
     machine = machine if machine is not None else this_machine()
-    return _check(profile, model_path, model_fingerprint(model_path), machine, probed, strict, margin_bytes,
-                  _app_build(llama_bin))
+    checked = _check(profile, model_path, model_fingerprint(model_path), machine, probed, strict, margin_bytes,
+                     _app_build(llama_bin))
+    _warn_users(checked, users)
+    return checked
+
+
+def kv_bytes(profile: Profile, *, n_ctx: int, users: int, unified: bool | None = None) -> int:
+    """The KV cache of the profile's model at ``n_ctx`` cells for ``users`` sequences (the estimate's
+    arithmetic, ``kv_layout``, from the profile's ``sizing``: no GGUF read)."""
+    s, sizing = profile.settings, profile.sizing
+    unified = s.kv_unified if unified is None else unified
+    cells, swa_cells = cache_cells(n_ctx, s.n_ubatch, sizing.sliding_window or None, s.swa_full, n_seq=users, unified=unified)
+    swa = sizing.swa_layers if sizing.sliding_window else 0
+    return int(sizing.kv_bytes_per_token_per_layer * ((sizing.n_layer - swa) * cells + swa * swa_cells))
+
+
+def serving_note(profile: Profile, users: int) -> str | None:
+    """What serving ``users`` requests at once with a profile tuned for another number costs: the KV
+    cache at the profile's -c (each user then gets a share of it; a sliding-window cache is one window
+    per user) and at -c x users (each user the context it was tuned with). None when they agree."""
+    tuned = profile.users
+    if users == tuned:
+        return None
+    n_ctx = context_tokens(profile.settings.n_ctx, profile.sizing.n_ctx_train or 0)
+    now = kv_bytes(profile, n_ctx=n_ctx, users=tuned)
+    per_user = max(1, n_ctx // tuned)  # each user's share when tuned
+    same_ctx = kv_bytes(profile, n_ctx=n_ctx, users=users) - now
+    full_ctx = kv_bytes(profile, n_ctx=per_user * users, users=users) - now
+    total = sum(m.need for m in profile.memory.predicted.values())
+    sign = lambda b: ("+" if b >= 0 else "-") + format_bytes(abs(b))  # noqa: E731
+    return (f"profile {profile.name} was tuned for {tuned} user(s) at once and measured that way; serving {users} "
+            f"(-np {users}): with its -c {n_ctx} each gets {n_ctx // users} tokens and the KV cache changes by "
+            f"{sign(same_ctx)}; with -c {per_user * users} (each user the {per_user} tokens it was tuned with) "
+            f"by {sign(full_ctx)}, {format_bytes(total + max(0, full_ctx))} in all. Its speeds are one load's: "
+            f"tune with --users {users} to measure this one")
+
+
+def _warn_users(profile: Profile, users: int | None) -> None:
+    if users is None:
+        return
+    note = serving_note(profile, users)
+    if note:
+        warnings.warn(note, ProfileWarning, stacklevel=3)
 
 
 def _app_build(llama_bin: str | os.PathLike[str] | None) -> "EngineBuild | None":
@@ -571,7 +618,8 @@ class _Plan:
         (``cache_cells``), with the model's sliding-window layers holding their window unless
         ``swa_full``."""
         sizing = self.sizing
-        cells, swa_cells = cache_cells(ctx, self.settings.n_ubatch, sizing.sliding_window, self.settings.swa_full)
+        cells, swa_cells = cache_cells(ctx, self.settings.n_ubatch, sizing.sliding_window, self.settings.swa_full,
+                                       n_seq=self.settings.n_parallel, unified=self.settings.kv_unified)
         if not sizing.swa_layers:
             return float(cells)
         return ((sizing.n_layer - sizing.swa_layers) * cells + sizing.swa_layers * swa_cells) / sizing.n_layer

@@ -39,7 +39,15 @@ key                            meaning
 ``settings``                   every ``tuner.engine.settings.Settings`` field (``model_path`` is the tuning machine's
                                path: not trusted elsewhere; apps substitute their own)
 ``min_ctx``                    the smallest context the user needs; degradation at load never goes below it
-``objective``                  ``"tg"``, ``"pp"`` or ``"mixed"``
+``objective``                  ``"tg"``, ``"pp"``, ``"mixed"``, ``"aggregate"``, ``"per-user"`` or ``"ttft"``
+                               (``tuner.search.objective``)
+``workload``                   (1.4) what it was tuned for: ``users`` (sequences decoded together;
+                               ``settings.n_parallel`` is the same number), ``n_prompt``, ``n_gen``,
+                               ``depth``, ``objective``, ``min_user_tg`` (``null``: no floor), and its
+                               figures at that load: ``aggregate_tg`` and ``per_user_tg``
+                               ``{median, ci_low, ci_high}`` (t/s), ``ttft_s`` ``{p50, p95, ci_low,
+                               ci_high, samples}`` (seconds to the first token of every user's prompt
+                               arriving at once); ``null`` before 1.4 (one user, as ``measured``)
 ``measured``                   ``pp`` and ``tg``: ``{median, mean, stddev, ci_low, ci_high, samples}`` (``ci_low``..``ci_high``:
                                a 95% interval of the median, within the samples' range);
                                ``n_prompt``, ``n_gen``, ``depth`` (the benchmark's shape)
@@ -73,7 +81,8 @@ memory arithmetic is then the same with or without a window, so the sizing it la
 ``n_cpu_moe`` 0 and ``kv_unified`` false. 1.3 added ``engine`` and ``machine.devices`` (an older profile
 reads with ``engine`` null: it was measured by the python engine, and no device list). 1.4 added
 ``settings.repack`` (llama.cpp's weight repacking, ``use_extra_bufts``; an older profile reads with it
-true, llama.cpp's default) and 
+true, llama.cpp's default), ``workload`` and ``settings.n_parallel`` (an older profile reads with
+one user: what it measured) and
 ``settings.devices``: the devices llama.cpp offloads to, by the names ``-dev`` takes (``CUDA0``,
 ``Vulkan1``, ``RPC0``), in its order; a profile without it reads with ``[]`` (llama.cpp's own choice).
 The machine's ``fingerprint`` and ``hardware_class`` are identity v2 (``tuner.machine.identity``) in
@@ -108,7 +117,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = "1.4"
 ENGINES = ("python", "llama-cpp")
 BUNDLE_VERSION = "1.0"
-OBJECTIVES = ("tg", "pp", "mixed")
+OBJECTIVES = ("tg", "pp", "mixed", "aggregate", "per-user", "ttft")  # tuner.search.objective
 # A profile is a few KiB; refuse to parse anything absurd (a wrong file on the search path).
 MAX_PROFILE_BYTES = 16 << 20
 MAX_BUNDLE_BYTES = 256 << 20
@@ -262,6 +271,53 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class Interval:
+    """A median with its 95% interval (t/s)."""
+
+    median: float
+    ci_low: float
+    ci_high: float
+
+
+@dataclass(frozen=True)
+class TimeToFirstToken:
+    """Seconds to the first token over the repetitions: p50, p95, the median's 95% interval, the samples."""
+
+    p50: float
+    p95: float
+    ci_low: float
+    ci_high: float
+    samples: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """A candidate's figures at ``users`` sequences (the knee of ``Workload.curve``)."""
+
+    users: int
+    candidate: str  # "winner" or "second"
+    aggregate_tg: Interval | None = None
+    per_user_tg: Interval | None = None
+    ttft_s: TimeToFirstToken | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a profile was tuned for (1.4), and its figures at that load."""
+
+    users: int
+    n_prompt: int
+    n_gen: int
+    depth: int
+    objective: str
+    min_user_tg: float | None = None
+    aggregate_tg: Interval | None = None
+    per_user_tg: Interval | None = None
+    ttft_s: TimeToFirstToken | None = None
+    curve: tuple[CurvePoint, ...] = ()  # the winner and the next contender at 1, 2, 4... users
+
+
+@dataclass(frozen=True)
 class DeviceMemory:
     """Bytes one device holds. ``total`` is recorded for predictions (it may include padding)."""
 
@@ -374,6 +430,7 @@ class Profile:
     quality: QualityInfo | None = None
     quality_budget: QualityBudgetInfo | None = None
     engine: EngineInfo | None = None  # None: a profile from before 1.3, measured by the python engine
+    workload: Workload | None = None  # None: a profile from before 1.4, tuned for one user
     schema_version: str = SCHEMA_VERSION
     path: str | None = field(default=None, compare=False)
     degradation: tuple[str, ...] = field(default=(), compare=False)
@@ -419,6 +476,7 @@ class Profile:
         quality: Mapping[str, Any] | None = None,
         quality_budget: Mapping[str, Any] | None = None,
         engine: Mapping[str, Any] | None = None,
+        workload: Mapping[str, Any] | None = None,
     ) -> "Profile":
         """The profile of a finished tune, validated as a reader will read it. The schema version,
         the tool version and the time are this module's to set.
@@ -453,6 +511,7 @@ class Profile:
             "study": dict(study) if study is not None else None,
             "quality": dict(quality) if quality is not None else None,
             "quality_budget": dict(quality_budget) if quality_budget is not None else None,
+            "workload": dict(workload) if workload is not None else None,
         }
         return cls.from_dict(data)
 
@@ -499,13 +558,20 @@ class Profile:
         # 1.2's settings only in a 1.2 (or later) document, and 1.1's keys only in a 1.1 one: an older
         # profile written again stays one an older reader accepts (it refuses keys it does not know in
         # its own version). Left out, a setting reads back as the value that version implies.
-        # 1.4 added repack: an older document reads as llama.cpp's default (repacking on), so one with
-        # repacking off can only be said in 1.4 (then with every key of the versions before it)
+        # 1.4 added repack, the device list, n_parallel and the workload: an older document reads as
+        # llama.cpp's defaults (repacking on, its own choice of devices) and one user, so a profile that
+        # differs from them can only be said in 1.4 (then with every key of the versions before it);
+        # one that does not stays at its own version, without those keys.
+        out["workload"] = None if self.workload is None else _workload_dict(self.workload)
         blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
         if _major_minor(out["schema_version"]) < (1, 4):
-            if all(block.get("repack", True) is True for block in blocks):
+            if (self.workload is None and all(block.get("repack", True) is True for block in blocks)
+                    and not any(block.get("devices") for block in blocks)
+                    and all(block.get("n_parallel", 1) == 1 for block in blocks)):
+                del out["workload"]
                 for block in blocks:
-                    block.pop("repack", None)
+                    for key in ("repack", "devices", "n_parallel"):
+                        block.pop(key, None)
             else:
                 out["schema_version"] = "1.4"
         if _major_minor(out["schema_version"]) < (1, 2):
@@ -521,15 +587,12 @@ class Profile:
                 del out["machine"]["devices"]
             else:
                 out["schema_version"] = "1.3"
-        # 1.4's device list (settings.devices) likewise: left out of an older document that has none.
-        if _major_minor(out["schema_version"]) < (1, 4):
-            blocks = [out["settings"]] + ([out["runner_up"]["settings"]] if out.get("runner_up") else [])
-            if any(block.get("devices") for block in blocks):
-                out["schema_version"] = "1.4"
-            else:
-                for block in blocks:
-                    block.pop("devices", None)
         return out
+
+    @property
+    def users(self) -> int:
+        """The concurrent users the profile was tuned for (1 before 1.4)."""
+        return self.workload.users if self.workload is not None else self.settings.n_parallel
 
     def validate(self) -> None:
         """Check a profile built in code against the schema, as a reader will."""
@@ -548,7 +611,9 @@ class Profile:
     def default_filename(self) -> str:
         # (the stem is cut at 100 characters: a file name has at most 255 bytes)
         stem = _UNSAFE_NAME_RE.sub("_", Path(self.model.file_name).stem).strip("._")[:100] or "model"
-        return f"{stem}--{self.machine.fingerprint[:64]}.json"
+        # a profile for several users is another profile of the same model on the same machine
+        users = f"--{self.users}users" if self.users > 1 else ""
+        return f"{stem}--{self.machine.fingerprint[:64]}{users}.json"
 
     def identity(self) -> str:
         """What makes two profiles the same: model header, machine, settings (not the model's path)."""
@@ -861,6 +926,77 @@ def _devices(value: Any, path: str, ctx: _Context, with_total: bool) -> dict[str
     return out
 
 
+def _interval(value: Any, path: str, ctx: _Context) -> Interval | None:
+    if value is None:
+        return None
+    data = _obj(value, path, ("median", "ci_low", "ci_high"), ctx)
+    numbers = {k: _number(_get(data, k, path), _join(path, k)) for k in ("median", "ci_low", "ci_high")}
+    if numbers["ci_low"] > numbers["ci_high"]:
+        raise ProfileValidationError(_join(path, "ci_low"), f"expected at most ci_high ({numbers['ci_high']}), got {numbers['ci_low']}")
+    return Interval(**numbers)
+
+
+def _ttft(value: Any, path: str, ctx: _Context) -> TimeToFirstToken | None:
+    if value is None:
+        return None
+    t = _obj(value, path, ("p50", "p95", "ci_low", "ci_high", "samples"), ctx)
+    numbers = {k: _number(_get(t, k, path), _join(path, k)) for k in ("p50", "p95", "ci_low", "ci_high")}
+    samples = _list(t, "samples", path)
+    return TimeToFirstToken(**numbers, samples=tuple(_number(x, f"{path}.samples[{i}]") for i, x in enumerate(samples)))
+
+
+def _workload(value: Any, ctx: _Context) -> Workload | None:
+    if value is None:
+        return None
+    path = "workload"
+    w = _obj(value, path, ("users", "n_prompt", "n_gen", "depth", "objective", "min_user_tg", "aggregate_tg",
+                           "per_user_tg", "ttft_s", "curve"), ctx)
+    objective = _get(w, "objective", path)
+    if objective not in OBJECTIVES:
+        raise ProfileValidationError("workload.objective", f"expected one of {', '.join(OBJECTIVES)}, got {_kind(objective)}")
+    floor = _get(w, "min_user_tg", path, None)
+    curve = []
+    raw = _get(w, "curve", path, [])
+    if not isinstance(raw, list):
+        raise ProfileValidationError("workload.curve", f"expected a list, got {_kind(raw)}")
+    if len(raw) > 64:
+        raise ProfileValidationError("workload.curve", f"expected at most 64 points, got {len(raw)}")
+    for i, point in enumerate(raw):
+        pp_ = f"workload.curve[{i}]"
+        point = _obj(point, pp_, ("users", "candidate", "aggregate_tg", "per_user_tg", "ttft_s"), ctx)
+        who = _get(point, "candidate", pp_)
+        if who not in ("winner", "second"):
+            raise ProfileValidationError(f"{pp_}.candidate", f"expected winner or second, got {_kind(who)}")
+        curve.append(CurvePoint(users=_int(point, "users", pp_, minimum=1, maximum=limits.MAX_PARALLEL), candidate=who,
+                                aggregate_tg=_interval(_get(point, "aggregate_tg", pp_, None), f"{pp_}.aggregate_tg", ctx),
+                                per_user_tg=_interval(_get(point, "per_user_tg", pp_, None), f"{pp_}.per_user_tg", ctx),
+                                ttft_s=_ttft(_get(point, "ttft_s", pp_, None), f"{pp_}.ttft_s", ctx)))
+    return Workload(
+        users=_int(w, "users", path, minimum=1, maximum=limits.MAX_PARALLEL),
+        n_prompt=_int(w, "n_prompt", path), n_gen=_int(w, "n_gen", path), depth=_int(w, "depth", path),
+        objective=objective,
+        min_user_tg=None if floor is None else _number(floor, "workload.min_user_tg"),
+        aggregate_tg=_interval(_get(w, "aggregate_tg", path, None), "workload.aggregate_tg", ctx),
+        per_user_tg=_interval(_get(w, "per_user_tg", path, None), "workload.per_user_tg", ctx),
+        ttft_s=_ttft(_get(w, "ttft_s", path, None), "workload.ttft_s", ctx),
+        curve=tuple(curve),
+    )
+
+
+def _workload_dict(w: Workload) -> dict[str, Any]:
+    def plain(item: Any) -> dict[str, Any]:
+        d = dataclasses.asdict(item)
+        if d.get("ttft_s") is not None:
+            d["ttft_s"]["samples"] = list(d["ttft_s"]["samples"])  # JSON's lists, as a reader parses them
+        return d
+
+    out = plain(w)
+    out["curve"] = [plain(p) for p in w.curve]
+    if not out["curve"]:
+        del out["curve"]  # a one-user profile has no curve
+    return out
+
+
 def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
     top = _obj(
         data,
@@ -868,7 +1004,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         (
             "schema_version", "tool_version", "created_at", "machine", "engine", "llama_build", "model", "settings",
             "min_ctx", "objective", "measured", "memory", "sizing", "layers_offloaded", "layers_total",
-            "runner_up", "trials", "study", "quality", "quality_budget",
+            "runner_up", "trials", "study", "quality", "quality_budget", "workload",
         ),
         ctx,
     )  # fmt: skip
@@ -1012,6 +1148,9 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
 
     quality = _quality(_get(top, "quality", "", None), ctx)
     quality_budget = _quality_budget(_get(top, "quality_budget", "", None), ctx)
+    workload = _workload(_get(top, "workload", "", None), ctx)
+    if workload is not None and workload.users != settings.n_parallel:
+        raise ProfileValidationError("workload.users", f"expected settings.n_parallel ({settings.n_parallel}), got {workload.users}")
 
     return Profile(
         schema_version=top["schema_version"],
@@ -1033,6 +1172,7 @@ def _parse_profile(data: Mapping[str, Any], ctx: _Context) -> Profile:
         study=study,
         quality=quality,
         quality_budget=quality_budget,
+        workload=workload,
         engine=engine,
     )
 
@@ -1123,6 +1263,10 @@ __all__ = [
     "StudyRef",
     "QualityInfo",
     "QualityBudgetInfo",
+    "Workload",
+    "CurvePoint",
+    "Interval",
+    "TimeToFirstToken",
     "ProfileWarning",
     "SchemaVersionWarning",
     "LlamaBuildWarning",

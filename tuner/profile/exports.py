@@ -111,7 +111,9 @@ def ollama_modelfile(profile: Profile, *, model_path: str | None = None) -> str:
         if line:
             lines.append(_instruction(line))
     # ollama starts llama-server with -c num_ctx x OLLAMA_NUM_PARALLEL (llm/llama_server.go).
-    lines.append("# num_ctx is per parallel request: the memory this profile measured holds with OLLAMA_NUM_PARALLEL=1")
+    n = s.n_parallel
+    lines.append(f"# num_ctx is per parallel request: the memory this profile measured holds with OLLAMA_NUM_PARALLEL={n}"
+                 + (f" (num_ctx {s.n_ctx // n} each)" if n > 1 else ""))
     notes = [n for n in (o.note(s, export) if o.note else None for o in sorted(spelled, key=lambda o: o.order)) if n]
     if notes:
         lines.append("# not expressible in a Modelfile:")

@@ -70,6 +70,7 @@ class ReportData:
     quality: dict[str, dict[str, Any]]  # variant file name -> its quality (tuner.search.quality)
     profile_path: str | None = None
     study: Any = field(default=None, repr=False)  # the optuna Study, for parameter importances
+    workload: Any = None  # the profile's (tuner.profile.document.Workload): users, figures, the knee
 
     @property
     def launched(self) -> list[TrialRow]:
@@ -226,7 +227,7 @@ def read_report_data(study: Any, profile: Any = None, storage: str = "") -> Repo
             runner_up = Pick(settings=ok[1].settings or {}, tg=ok[1].tg, pp=ok[1].pp, number=ok[1].number)
     return ReportData(study_name=study.study_name, storage=redact(storage), objective=objective, rows=rows,
                       winner=winner, runner_up=runner_up, quality=_quality(study), study=study,
-                      profile_path=getattr(profile, "path", None))
+                      profile_path=getattr(profile, "path", None), workload=getattr(profile, "workload", None))
 
 
 def _stats(stats: Any) -> dict[str, Any] | None:

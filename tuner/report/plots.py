@@ -310,5 +310,44 @@ def importances(data: ReportData) -> Plot:
     return Plot("importances", title, caption, fig)
 
 
+def users_curve(data: ReportData) -> Plot:
+    """Aggregate generation speed, each user's speed and the time to the first token against the
+    number of users, for the winner and the next contender (the profile's ``workload.curve``)."""
+    from plotly.subplots import make_subplots
+    import plotly.graph_objects as go
+
+    title = "Throughput, per-user speed and time to the first token against users"
+    caption = ("The winner and the next contender measured at 1, 2, 4... users up to the workload's, each with its "
+               "users' context: where aggregate generation speed stops growing (the knee), what each user gets, and "
+               "how long the users' prompts wait for their first token (p50, bars to p95). Intervals: 95% of the median.")
+    w = data.workload
+    if w is None or not w.curve:
+        return Plot("users", title, caption, None,
+                    "tuned for one user: tune with --users N to measure the winner at 1, 2, 4... N users")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("aggregate tg, t/s", "per-user tg, t/s", "time to first token, s"))
+    colors = {"winner": "#ffbf00", "second": "#1f77b4"}
+    for who in ("winner", "second"):
+        points = sorted((p for p in w.curve if p.candidate == who), key=lambda p: p.users)
+        if not points:
+            continue
+        xs = [p.users for p in points]
+        for col, attr in ((1, "aggregate_tg"), (2, "per_user_tg")):
+            vals = [getattr(p, attr) for p in points]
+            fig.add_trace(go.Scatter(
+                x=[x for x, v in zip(xs, vals) if v], y=[v.median for v in vals if v], mode="lines+markers",
+                name=who, legendgroup=who, showlegend=col == 1, line=dict(color=colors[who]),
+                error_y=dict(type="data", array=[v.ci_high - v.median for v in vals if v],
+                             arrayminus=[v.median - v.ci_low for v in vals if v])), row=1, col=col)
+        ttft = [(p.users, p.ttft_s) for p in points if p.ttft_s]
+        fig.add_trace(go.Scatter(x=[u for u, _ in ttft], y=[t.p50 for _, t in ttft], mode="lines+markers", name=who,
+                                 legendgroup=who, showlegend=False, line=dict(color=colors[who]),
+                                 error_y=dict(type="data", array=[t.p95 - t.p50 for _, t in ttft], arrayminus=[0] * len(ttft))),
+                      row=1, col=3)
+    fig.update_xaxes(title_text="users", type="log", dtick=0.30103)
+    fig.update_layout(height=420, legend=dict(orientation="h", y=-0.25))
+    return Plot("users", title, caption, fig)
+
+
 def all_plots(data: ReportData) -> list[Plot]:
-    return [speed_vs_layers(data), speed_vs_memory(data), speed_vs_quality(data), history(data), importances(data)]
+    return [speed_vs_layers(data), speed_vs_memory(data), speed_vs_quality(data), users_curve(data), history(data),
+            importances(data)]

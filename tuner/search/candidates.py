@@ -342,7 +342,8 @@ class Candidates:
         sp = space
         threads = max(sp.threads[0], min(sp.threads, key=lambda t: abs(t - physical_cores)))
         # a prompt is faster in bigger micro-batches; generation does not care and the smallest saves memory
-        ubatch = sp.n_ubatch[0] if objective == "tg" else (512 if 512 in sp.n_ubatch else sp.n_ubatch[-1])
+        # (the users' generation objectives are generation too: a step of N tokens fits the smallest)
+        ubatch = sp.n_ubatch[0] if objective in ("tg", "aggregate", "per-user") else (512 if 512 in sp.n_ubatch else sp.n_ubatch[-1])
         common = dict(n_ctx=sp.n_ctx[0], n_batch=max(sp.n_batch[-1], ubatch), n_ubatch=ubatch, threads=threads)
         fa = "on" if "on" in sp.flash_attn else sp.flash_attn[0]
         kv = min((t for t in sp.kv_types if fa == "on" or t in ("f16", "f32", "bf16")),

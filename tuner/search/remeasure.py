@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 from ..engine.base import BenchSpec, Stats, TrialResult
 from ..engine.settings import Settings
 from .interrupt import CtrlC
-from .objective import score
+from .objective import score, stat_key
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Remeasure:
         self.objective = objective
         self.rounds = max(1, min(rounds, repetitions))
         per_round = max(1, math.ceil(repetitions / self.rounds))
-        self.final = BenchSpec(n_prompt=bench.n_prompt, n_gen=bench.n_gen, depth=bench.depth, repetitions=per_round)
+        self.final = dataclasses.replace(bench, repetitions=per_round)  # the same workload, fewer samples per round
         self.fit_together = fit_together
         self.emit = emit
 
@@ -124,7 +124,7 @@ def pick_winner(contenders: Sequence[Contender], objective: str) -> tuple[Conten
     measured = sorted(measured, key=lambda c: c.value, reverse=True)
     best = measured[0]
     if len(measured) > 1:
-        key = "pp" if objective == "pp" else "tg"
+        key = stat_key(objective)
         second = measured[1]
         win, sec = getattr(best, key) or {}, getattr(second, key) or {}
         if win and sec and sec.get("ci_high", 0) >= win.get("ci_low", math.inf):

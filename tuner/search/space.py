@@ -79,6 +79,7 @@ class SearchSpace:
     supported: frozenset[str] | None = None  # the settings the engine can set; None: all
     excluded: dict[str, str] = field(default_factory=dict)  # dimension -> why it is left out
     rpc_servers: tuple[str, ...] = ()
+    users: int = 1  # the workload's concurrent sequences: every candidate's n_parallel
 
     # -- the facts the table's predicates read ----------------------------------------------------
 
@@ -87,7 +88,7 @@ class SearchSpace:
         domains = {**self.domains, "model_path": self.variants, "rpc_servers": self.rpc_servers,
                    "devices": self.device_names}
         return Facts(n_layer=self.n_layer, devices=tuple(d.name for d in self.devices), is_moe=self.is_moe,
-                     has_swa=self.has_swa, domains=domains, supported=self.supported)
+                     has_swa=self.has_swa, users=self.users, domains=domains, supported=self.supported)
 
     @property
     def device_names(self) -> tuple[str, ...]:
@@ -221,6 +222,8 @@ class SearchSpace:
         data["devices"] = [{k: v for k, v in d.items() if k != "free"} for d in data["devices"]]
         data["domains"] = {k: list(v) for k, v in sorted(self.domains.items())}
         data["supported"] = sorted(self.supported) if self.supported is not None else None
+        if self.users == 1:
+            del data["users"]  # a one-user space keeps the name it had before users were counted
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
@@ -246,7 +249,7 @@ class SearchSpace:
     def settings(self, *, variant: str, n_gpu_layers: int = 0, tensor_split: tuple[float, ...] | None = None,
                  n_ctx: int, kv: str, flash_attn: str, threads: int | None, n_ubatch: int, n_batch: int,
                  placement: str = "none", placement_layers: int = 0, offload_kqv: bool = True, n_cpu_moe: int = 0,
-                 swa_full: bool = False) -> Settings:
+                 swa_full: bool = False, kv_unified: bool = False) -> Settings:
         """A candidate of this space: the KV type for K and V, the threads for both thread counts, the
         placement over layers 0..placement_layers-1."""
         return Settings(
@@ -263,6 +266,8 @@ class SearchSpace:
             type_v=kv,
             offload_kqv=offload_kqv,
             swa_full=swa_full,
+            kv_unified=kv_unified and self.users > 1,
+            n_parallel=self.users,
             tensor_overrides=placement_patterns(placement, placement_layers),
             n_cpu_moe=n_cpu_moe,
             rpc_servers=self.rpc_servers,
@@ -371,6 +376,7 @@ def build_space(
     unified_memory: bool = False,
     supported: Collection[str] | None = None,
     cpu: CpuFeatures | None = None,
+    users: int = 1,
 ) -> SearchSpace:
     """The search space for these variants of one model on this machine.
 
@@ -378,7 +384,12 @@ def build_space(
     dimension it cannot set is left out (without ``n_cpu_moe``, the ``experts_cpu`` placement, the
     same overrides spelled as regexes, stands in for it). ``cpu``: llama.cpp's CPU features, which
     decide whether weight repacking (``repack``) can matter: only for weights of a type this CPU
-    repacks, and only without an accelerator whose pinned host buffer takes the CPU's weights first."""
+    repacks, and only without an accelerator whose pinned host buffer takes the CPU's weights first.
+
+    ``users``: the workload's concurrent
+    sequences; ``min_ctx`` is each one's context, so the context candidates are ``users`` times
+    it (llama-server's -c is shared by its slots: n_ctx / n_parallel each), and the KV layout
+    (``kv_unified``) is searched."""
     first = models[0]
     supported_set = frozenset(supported) if supported is not None else None
     can = lambda name: supported_set is None or name in supported_set  # noqa: E731
@@ -390,6 +401,8 @@ def build_space(
         ctx = _ctx_choices(min_ctx, first.n_ctx_train)
         if len(ctx) == 1:
             excluded["n_ctx"] = f"the training context ({first.n_ctx_train}) leaves no room above --min-ctx {min_ctx}"
+    if users > 1:
+        ctx = tuple(c * users for c in ctx)  # each user's context, times the users
     kv_types = tuple(t for t in ("f16", "q8_0", "q4_0") if all(t in m.kv_bytes_per_token for m in models))
     domains: dict[str, tuple] = {
         "n_ctx": ctx,
@@ -441,6 +454,10 @@ def build_space(
         domains["swa_full"] = (False, True)
     elif has_swa:
         excluded["swa_full"] = "the engine cannot set it"
+    if users > 1 and can("kv_unified"):
+        domains["kv_unified"] = (False, True)
+    elif users > 1:
+        excluded["kv_unified"] = "the engine cannot set it"
     return SearchSpace(
         variants=tuple(m.path for m in models),
         devices=tuple(devices),
@@ -451,6 +468,7 @@ def build_space(
         supported=supported_set,
         excluded=excluded,
         rpc_servers=tuple(rpc_servers),
+        users=users,
     )
 
 

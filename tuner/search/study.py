@@ -28,6 +28,7 @@ is failed and measured again. Ctrl-C kills the running trial and still writes th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..engine.base import BenchSpec, TrialResult
+from ..engine.base import BenchSpec, Stats, TrialResult
 from ..engine.outcome import Outcome
 from ..engine.python import TrialRunner
 from .. import limits
@@ -55,7 +56,7 @@ from ..profile.document import Profile, output_folder
 from .candidates import DEFAULT_MARGIN, Candidates, accelerator_devices, settings_key
 from .crashes import Crashes
 from .interrupt import CtrlC
-from .objective import OBJECTIVES, score
+from .objective import OBJECTIVES, score, workload_figures
 from .budget import QualityBudget, median, rank_for_target, trade
 from .quality import DEFAULT_CHUNKS, DEFAULT_CTX, QualityMeter, QualityReport, choose_reference
 from .remeasure import Contender, Remeasure, pick_winner
@@ -166,6 +167,8 @@ class Tuner:
         n_prompt: int = 512,
         n_gen: int = 128,
         repetitions: int = 3,
+        users: int = 1,
+        min_user_tg: float | None = None,
         final_repetitions: int = 8,
         final_candidates: int = 3,
         final_rounds: int = 3,
@@ -202,14 +205,22 @@ class Tuner:
         if trials is not None and trials < 1:
             raise SettingsError("trials", f"expected at least 1, got {trials}")
         _check_numbers(time_budget=time_budget, vram_margin=vram_margin, trial_timeout=trial_timeout, min_ctx=min_ctx,
-                       depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions)
+                       depth=depth, n_prompt=n_prompt, n_gen=n_gen, repetitions=repetitions, users=users,
+                       min_user_tg=min_user_tg)
+        if min_user_tg is not None and objective != "aggregate":
+            raise SettingsError("min_user_tg", f"a per-user floor applies to the aggregate objective, not {objective!r}")
         self.objective = objective
         self.trials = trials
         self.time_budget = time_budget
         self.min_ctx = min_ctx
-        self.bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions)
-        if depth + max(n_prompt, n_gen) > min_ctx:
-            raise SettingsError("min_ctx", f"--min-ctx {min_ctx} is smaller than --depth {depth} + {max(n_prompt, n_gen)} benchmark tokens")
+        self.bench = BenchSpec(n_prompt=n_prompt, n_gen=n_gen, depth=depth, repetitions=repetitions, users=users,
+                               min_user_tg=min_user_tg)
+        # one user: pp and tg are measured apart (llama-bench); several: each sequence keeps its
+        # prompt and its generated tokens (llama-batched-bench), all within its share of the context
+        tokens = max(n_prompt, n_gen) if users == 1 else n_prompt + n_gen
+        if depth + tokens > min_ctx:
+            raise SettingsError("min_ctx", f"--min-ctx {min_ctx} is smaller than --depth {depth} + {tokens} benchmark tokens"
+                                + (" per user" if users > 1 else ""))
         self.final_repetitions = max(final_repetitions, repetitions)
         self.final_candidates = max(1, final_candidates)
         self.final_rounds = max(1, final_rounds)
@@ -244,6 +255,12 @@ class Tuner:
         for path, why in self.rejected.items():
             self.emit({"kind": "rejected", "path": path, "reason": why})
 
+        binaries = getattr(engine, "binaries", None)
+        if users > 1 and binaries is not None and binaries.get("llama-batched-bench") is None:
+            # said before anything runs, not as the same refusal on every trial
+            raise StudyError(f"--users {users}: the llama-cpp engine measures several users with llama-batched-bench, and "
+                             f"{binaries.folder} has none: build it (cmake --build build --target llama-batched-bench) "
+                             "or use --engine python")
         self.machine = machine or probe(rpc_servers=self.rpc_servers, engine=engine)
         self.engine = engine
         self.quality: QualityReport | None = None
@@ -270,6 +287,7 @@ class Tuner:
             unified_memory=self.machine.unified_memory,
             supported=engine.supported_settings() if hasattr(engine, "supported_settings") else None,
             cpu=self.machine.cpu_features(),
+            users=users,
         )
         if space_overrides:
             # fix or narrow dimensions (e.g. {"type_k": ("f16",)}): a study of fewer questions
@@ -649,6 +667,11 @@ class Tuner:
         else:
             best, second = pick_winner(contenders, self.objective)
         runner_up = {"settings": second.settings.to_dict(), "pp": second.pp, "tg": second.tg} if second else None
+        self.curve = []
+        if self.bench.users > 1 and not interrupted:
+            # the knee: the winner and the next contender at fewer users (issue 21's report)
+            others = [c for c in contenders if c is not best]
+            self.curve = self._curve(engine, best, second or (others[0] if others else None), ctrl_c)
         # The study holds every trial whatever happens next; a profile that cannot be made or written
         # (a full disk, a folder gone read-only) is reported with the winner, never in its place.
         profile: Profile | None = None
@@ -669,6 +692,34 @@ class Tuner:
                           space=self.space, study_name=self.study_name, storage=self.storage, interrupted=interrupted,
                           rejected=self.rejected, profile_error=problem, quality=self.quality, excluded=self.excluded,
                           trade=traded, target=target, flags_check=flags)
+
+    def _curve(self, engine: Any, best: Contender, second: Contender | None, ctrl_c: CtrlC) -> list[dict[str, Any]]:
+        """The winner (and the next contender) measured at 1, 2, 4... users up to the workload's, each
+        with the context its users need (n_parallel k, n_ctx / N * k): where aggregate speed stops
+        growing (the knee), and what each user gets and waits. The workload's own point is the
+        profile's; an out-of-memory or failed point is left out."""
+        users = self.bench.users
+        counts = sorted({1 << i for i in range(users.bit_length()) if 1 << i < users})
+        points: list[dict[str, Any]] = []
+        for name, c in (("winner", best), ("second", second)):
+            if c is None:
+                continue
+            for k in counts:
+                per_user_ctx = max(1, c.settings.n_ctx // users) if c.settings.n_ctx else 0
+                s = c.settings.replace(n_parallel=k, n_ctx=per_user_ctx * k, kv_unified=c.settings.kv_unified and k > 1)
+                bench = dataclasses.replace(self.bench, users=k)
+                try:
+                    with ctrl_c.immediate():
+                        result = engine.run(s, bench, trial_id=f"curve-{name}-{k}")
+                except KeyboardInterrupt:
+                    return points
+                if result.ok:
+                    points.append({"users": k, "candidate": name, **workload_figures(result.pp, result.tg, bench)})
+            figures = workload_figures(Stats.of(c.pp["samples"]) if c.pp and c.pp.get("samples") else None,
+                                       Stats.of(c.tg["samples"]) if c.tg and c.tg.get("samples") else None, self.bench)
+            points.append({"users": users, "candidate": name, **figures})
+        self.emit({"kind": "curve", "points": points})
+        return points
 
     def _trade(self, complete: Sequence[Any], contenders: Sequence[Contender]) -> list[dict[str, Any]]:
         """Per variant, its best speed found (re-measured figures where it was re-measured) and
@@ -741,6 +792,8 @@ class Tuner:
             objective=self.objective,
             measured={"pp": best.pp, "tg": best.tg, "n_prompt": self.bench.n_prompt, "n_gen": self.bench.n_gen,
                       "depth": self.bench.depth},
+            workload={**workload_of(self.bench, self.objective, best.pp, best.tg),
+                      **({"curve": self.curve} if getattr(self, "curve", None) else {})},
             memory={"predicted": best.predicted, "actual": best.actual},
             sizing={"n_layer": info.n_layer, "layer_weight_bytes": info.bytes_per_layer,
                     "output_weight_bytes": info.output_layer_bytes, "kv_bytes_per_token_per_layer": kv_layer,
@@ -754,6 +807,18 @@ class Tuner:
             quality=quality,
             quality_budget=asked,
         )
+
+
+def workload_of(bench: BenchSpec, objective: str, pp: dict[str, Any] | None, tg: dict[str, Any] | None) -> dict[str, Any]:
+    """The profile's ``workload``: what it was tuned for, and its figures at that load."""
+    out: dict[str, Any] = {"users": bench.users, "n_prompt": bench.n_prompt, "n_gen": bench.n_gen, "depth": bench.depth,
+                           "objective": objective}
+    if bench.min_user_tg is not None:
+        out["min_user_tg"] = bench.min_user_tg
+    figures = workload_figures(Stats.of(pp["samples"]) if pp and pp.get("samples") else None,
+                               Stats.of(tg["samples"]) if tg and tg.get("samples") else None, bench)
+    out.update(figures)
+    return out
 
 
 def _counts(trials: Sequence[Any]) -> dict[str, int]:
@@ -781,6 +846,8 @@ def _check_numbers(**values: Any) -> None:
         "n_prompt": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
         "n_gen": (lambda v: 0 <= v <= limits.MAX_CTX, f"a token count from 0 to {limits.MAX_CTX}"),
         "repetitions": (lambda v: 1 <= v <= 10_000, "a count from 1 to 10000"),
+        "users": (lambda v: isinstance(v, int) and 1 <= v <= limits.MAX_PARALLEL, f"a count of users from 1 to {limits.MAX_PARALLEL}"),
+        "min_user_tg": (lambda v: v is None or (math.isfinite(v) and v > 0), "tokens/sec above 0"),
     }
     for name, value in values.items():
         ok, expected = rules[name]
