@@ -665,7 +665,8 @@ def test_list_and_show(tmp_path, monkeypatch):
     result = runner.invoke(profile_group, ["list", "--all"])
     assert result.exit_code == 0, result.output
     assert f"    from  {other}  (team folder: {team})" in result.output
-    assert f"    cannot be used: not valid JSON (line 1, column 2: Expecting property name enclosed in double quotes)" in result.output
+    # the line above names the file: this one says what is wrong with it, without the path again
+    assert "    cannot be used: not valid JSON (line 1, column 2: Expecting property name enclosed in double quotes)" in result.output
 
     result = runner.invoke(profile_group, ["list", "--all", "--json"])
     records = [json.loads(line) for line in result.output.splitlines()]
