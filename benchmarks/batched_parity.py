@@ -57,6 +57,10 @@ def main() -> int:
     users = [int(x) for x in args.users.split(",")]
     env = llama_cpp_env()
     rows = []
+    print(f"llama-batched-bench {binary} (same llama.cpp as llama-cpp-python); -npp {args.n_prompt} -ntg {args.n_gen} "
+          f"-c {args.ctx} -t {args.threads}{' -kvu' if args.kv_unified else ''}; {args.rounds} rounds, interleaved")
+    print(f"{'model':<6} {'N':>3} | {'S_PP ours':>10} {'S_PP bb':>10} {'ratio':>6} | {'S_TG ours':>10} {'S_TG bb':>10} {'ratio':>6}",
+          flush=True)
     with TrialRunner(timeout_s=600) as runner:
         for name in args.models.split(","):
             path = work / f"{name}.gguf"
@@ -93,15 +97,11 @@ def main() -> int:
                             theirs["pp"].append(data["speed_pp"])
                             theirs["tg"].append(data["speed_tg"])
                 ratio = {k: statistics.median(a / b for a, b in zip(ours[k], theirs[k])) for k in ("pp", "tg")}
-                rows.append((name, n, {k: statistics.median(v) for k, v in ours.items()},
-                             {k: statistics.median(v) for k, v in theirs.items()}, ratio))
-    print(f"llama-batched-bench {binary} (same llama.cpp as llama-cpp-python); -npp {args.n_prompt} -ntg {args.n_gen} "
-          f"-c {args.ctx} -t {args.threads}{' -kvu' if args.kv_unified else ''}; {args.rounds} rounds, interleaved")
-    print(f"{'model':<6} {'N':>3} | {'S_PP ours':>10} {'S_PP bb':>10} {'ratio':>6} | {'S_TG ours':>10} {'S_TG bb':>10} {'ratio':>6}")
-    worst = 0.0
-    for name, n, o, t, ratio in rows:
-        worst = max(worst, abs(ratio["pp"] - 1), abs(ratio["tg"] - 1))
-        print(f"{name:<6} {n:>3} | {o['pp']:10.1f} {t['pp']:10.1f} {ratio['pp']:6.3f} | {o['tg']:10.1f} {t['tg']:10.1f} {ratio['tg']:6.3f}")
+                o, t = ({k: statistics.median(v) for k, v in side.items()} for side in (ours, theirs))
+                rows.append(ratio)
+                print(f"{name:<6} {n:>3} | {o['pp']:10.1f} {t['pp']:10.1f} {ratio['pp']:6.3f} | {o['tg']:10.1f} {t['tg']:10.1f} "
+                      f"{ratio['tg']:6.3f}", flush=True)
+    worst = max((abs(r[k] - 1) for r in rows for k in ("pp", "tg")), default=0.0)
     print(f"largest deviation from 1: {worst:.3f} (target: within 0.05)")
     return 0
 

@@ -583,7 +583,7 @@ def test_profile_check_command_says_what_an_app_would_load(model, tmp_path, monk
         "  - context reduced from 32768 to 19968 tokens (not below the profile's min_ctx, 8192) because CUDA0 "
         "(NVIDIA GeForce RTX 4090) has 8.00 GiB free now and would need 9.50 GiB + 256 MiB margin; GPU 0 memory "
         "is held by pid 4242 python train.py (14.00 GiB)",
-        f"llama-server -m {model} -ngl 37 -c 19968 -b 2048 -ub 512 -t 8 -tb 16 -fa on -ctk f16 -ctv f16",
+        f"llama-server -m {model} -ngl 37 -c 19968 -b 2048 -ub 512 -t 8 -tb 16 -fa on -ctk f16 -ctv f16 -np 1",
     ]
     assert result.stderr.startswith(f"warning: profile {path.stem} changed to fit this machine now:")
 

@@ -100,7 +100,7 @@ def test_cli_tune_and_probe_with_llama_bin(models, llama_bin, tuner_home):
     engines = {e["name"]: e for e in data["engines"]}
     assert set(engines) == {"python", "llama-cpp"}
     assert engines["llama-cpp"]["build"] == engines["python"]["build"]  # the same sources
-    assert set(engines["llama-cpp"]["tools"]) == {"llama-bench", "llama-fit-params"}
+    assert set(engines["llama-cpp"]["tools"]) == {"llama-bench", "llama-fit-params", "llama-batched-bench"}
     out = CliRunner().invoke(cli, ["tune", str(models["q8_0"]), "--llama-bin", str(llama_bin), "--trials", "2",
                                    "--min-ctx", "512", "--n-prompt", "32", "--n-gen", "8", "-r", "1"])
     assert out.exit_code == 0, out.output

@@ -556,8 +556,9 @@ class LlamaCppEngine(Engine):
     # -- llama.cpp's fitter ---------------------------------------------------------------------------
 
     def _fit_args(self, settings: Settings, *, keep_placement: bool) -> list[str]:
-        """llama-fit-params' argv from the settings' llama-server flags (common/arg.cpp parses both)."""
-        args = settings.cli_args("llama-server")
+        """llama-fit-params' argv from the settings' llama-server flags (common/arg.cpp parses both;
+        -kvu is llama-server's only: left out, fit sizes one stream per sequence, -np of them)."""
+        args = [a for a in settings.cli_args("llama-server") if a != "-kvu"]  # a switch: no value follows
         if not keep_placement:
             # Leave the layers, the split and the tensor placement unset: those are what fit chooses.
             args = _drop_flags(args, {"-ngl", "-ts", "-ot"})
@@ -658,6 +659,9 @@ def check_exported_flags(tool: str, args: Sequence[str], llama_bin: str | os.Pat
     args = _drop_flags(list(args), {"--rpc"})
     candidates = ["llama-bench"] if tool == "llama-bench" else [tool] + [t for t in COMMON_PARSERS if t != tool]
     for name in candidates:
+        if tool == "llama-server" and name != "llama-server":
+            # -kvu is set for llama-server (and batched, perplexity, bench) only: another parser refuses it
+            args = [a for a in args if a != "-kvu"]  # a switch: no value follows
         if llama_bin is not None:
             path = Path(llama_bin) / _exe(name)
             found = str(path) if path.is_file() else None
