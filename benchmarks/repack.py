@@ -7,7 +7,7 @@ each speed's median, the per-round ratio on / off (median and range), and per lo
 llama.cpp printed next to ``tuner.model.estimate``'s prediction (with mmap, as the trials load; each
 setting loaded alone for that, since a paired run's log holds both loads).
 
-    python benchmarks/repack.py [--rounds 6] [--threads 2]
+    python benchmarks/repack.py [--rounds 6] [--threads 2] [--quants Q4_0,Q4_K_M] [--n-prompt 256] [--n-gen 64]
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quants", default="Q4_0,Q4_K_M", help="the demo model's quantizations to measure")
+    parser.add_argument("--n-prompt", type=int, default=256)
+    parser.add_argument("--n-gen", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OFFLOAD_TUNER_HOME"] = tmp
@@ -42,9 +45,9 @@ def main() -> int:
 
         cpu = CpuFeatures.parse(probe_llama_build().system_info)
         print(f"llama.cpp CPU features: {cpu.describe() if cpu else 'not reported'}")
-        bench = BenchSpec(n_prompt=256, n_gen=64, repetitions=2)
+        bench = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=2)
         with TrialRunner(timeout_s=1800) as runner:  # a shared machine can be slow
-            for path in demo_models(Path(tmp) / "models", quants=("Q4_0", "Q4_K_M")):
+            for path in demo_models(Path(tmp) / "models", quants=tuple(args.quants.split(","))):
                 info = inspect(path)
                 pair = [Settings(model_path=str(path), n_ctx=1024, n_threads=args.threads, flash_attn="on", repack=r)
                         for r in (True, False)]
