@@ -320,6 +320,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OFFLOAD_TUNER_HOME"] = tmp
+        # a simulated machine is no machine to lock: runs of this benchmark (and tunes here) need not wait for each other
+        os.environ["OFFLOAD_TUNER_LOCK_DIR"] = os.path.join(tmp, "locks")
         import optuna
 
         from tuner.machine.simulated import SIMULATED

@@ -49,8 +49,9 @@ trial):
   a cache or compute buffer that does not fit fails after the load, at the context;
 - the context: its setup and the clearing of its KV cache;
 - the warm-up and each repetition at the speeds the trial measured (noise included): the worker's
-  warm-up is one prompt and 8 generated tokens, and each timed region (pp, tg) first fills the
-  cache to ``depth`` tokens untimed.
+  warm-up is one prompt and 8 generated tokens; the cache is filled to ``depth`` tokens untimed
+  once per context (``depth_once``, the worker's way), or before each timed region (pp, tg) as
+  llama-bench does. A ``StopRule`` ends the repetitions early, as in the worker.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import numpy as np
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import ModelInfo
 from ..model.special import flash_attn_forms
-from .base import BenchSpec, Engine, EngineBuild, Stats, TrialResult
+from .base import BenchSpec, Engine, EngineBuild, Stats, StopRule, TrialResult
 from .devices import DeviceInfo
 from .logparse import LoadReport
 from .outcome import Outcome
@@ -388,6 +389,10 @@ class RooflineEngine(Engine):
     # -- the engine interface ----------------------------------------------------------------------
 
     name = "roofline"
+    stops_early = True  # run() takes a StopRule, as the python engine's does
+    # the python engine's worker fills the depth once per context and drops only what each timed
+    # region added (worker._Bench.at_depth); llama-bench (and the worker before) fills it for each
+    depth_once = True
 
     def build(self) -> EngineBuild:
         return EngineBuild(engine=self.name, backends=tuple(dict.fromkeys(["CPU", *(s.backend for s in self.specs.values())])),
@@ -405,8 +410,10 @@ class RooflineEngine(Engine):
     def close(self) -> None:
         pass
 
-    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: object = None) -> TrialResult:
-        """One simulated trial: refused, out of memory, or ``bench.repetitions`` noisy samples."""
+    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: object = None,
+            stop: StopRule | None = None) -> TrialResult:
+        """One simulated trial: refused, out of memory, or ``bench.repetitions`` noisy samples (fewer
+        where ``stop`` says the rank is settled, as the python engine's worker does)."""
         self.launched.append(settings)
         refused = self._refuse(settings, bench)
         if refused is not None:
@@ -425,12 +432,15 @@ class RooflineEngine(Engine):
         self._context(settings, est)
         pp, tg = self.speed(settings, bench)
         self._warm_up(settings, bench, pp, tg)
-        pps, tgs = [], []
+        pps: list[float] = []
+        tgs: list[float] = []
         for _ in range(bench.repetitions):
             self.drift.step()
             pps.append(pp * self.drift.factor())
             tgs.append(tg * self.drift.factor())
             self._repetition(settings, bench, pp, tg, pps[-1], tgs[-1])
+            if stop is not None and stop.enough(pps if bench.n_prompt else [], tgs if bench.n_gen else []):
+                break
         result = self._ok(settings, bench, est, pps, tgs)
         return dataclasses.replace(result, wall_s=self.clock - before, load_s=load_s, reused_model=reused)
 
@@ -539,12 +549,14 @@ class RooflineEngine(Engine):
         if not bench.warmup:
             return
         depth = self.prefill_seconds(s, bench.depth)
-        seconds = (depth + bench.n_prompt / pp if bench.n_prompt else 0.0) + (depth + min(bench.n_gen, WARMUP_GEN_TOKENS) / tg if bench.n_gen else 0.0)
+        regions = (1 if bench.n_prompt else 0) + (1 if bench.n_gen else 0)
+        seconds = ((depth if self.depth_once else regions * depth) + (bench.n_prompt / pp if bench.n_prompt else 0.0)
+                   + (min(bench.n_gen, WARMUP_GEN_TOKENS) / tg if bench.n_gen else 0.0))
         self._charge("warmup", seconds)
 
     def _repetition(self, s: Settings, bench: BenchSpec, pp: float, tg: float, pp_seen: float, tg_seen: float) -> None:
         """One repetition at the speeds measured (the untimed depth slowed as the timed part was)."""
-        depth = self.prefill_seconds(s, bench.depth)
+        depth = 0.0 if self.depth_once else self.prefill_seconds(s, bench.depth)
         seconds = 0.0
         if bench.n_prompt:
             seconds += (depth + bench.n_prompt / pp) * pp / pp_seen
