@@ -41,6 +41,7 @@ trials (median) on every machine, with no OOM launch, and beats random search at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -67,14 +68,26 @@ class Trace:
     measured: list[float | None] = field(default_factory=list)
     true: list[float] = field(default_factory=list)
     oom: list[bool] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)  # the simulated wall clock after each launch, seconds
     final_true: float | None = None  # the tuner's profile winner (after its re-measure)
+    final_wall: float | None = None  # the simulated wall clock when the profile is written
+    loads: int = 0  # model loads (trials, re-measure and probes)
+    spent: dict[str, float] = field(default_factory=dict)  # the simulated clock by kind (roofline.COSTS)
     remeasure_loads: int = 0
     proposals: dict[str, int] = field(default_factory=dict)  # the tuner's asks: launched, pruned, invalid, repaired
 
-    def add(self, measured: float | None, true: float, oom: bool) -> None:
+    loads_at: list[int] = field(default_factory=list)  # model loads after each launch
+
+    def add(self, measured: float | None, true: float, oom: bool, engine: Any) -> None:
         self.measured.append(measured)
         self.true.append(true)
         self.oom.append(oom)
+        self.wall.append(engine.clock)
+        self.loads_at.append(engine.loads)
+
+    def close(self, engine: Any) -> "Trace":
+        self.loads, self.spent = engine.loads, dict(engine.spent)
+        return self
 
     def picks(self) -> list[float]:
         """After each launch, the true speed of the best measured candidate so far (0: none yet)."""
@@ -145,7 +158,7 @@ def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = 
             pending[e["number"]] = Settings.from_dict(e["settings"])
         elif e["kind"] == "result" and e["number"] in pending:
             s = pending.pop(e["number"])
-            trace.add(e["value"], true_tg(engine, s, tuner.bench), e["outcome"] == "oom")
+            trace.add(e["value"], true_tg(engine, s, tuner.bench), e["outcome"] == "oom", engine)
         elif e["kind"] == "remeasure":
             trace.remeasure_loads = 1 if e["paired"] else e["rounds"] * len(e["candidates"])
 
@@ -156,7 +169,8 @@ def run_tuner(sim: Any, seed: int, trials: int, *, final: bool, ablation: str = 
     result = tuner.run()
     if final:
         trace.final_true = true_tg(engine, Settings.from_dict(result.best["settings"]), tuner.bench)
-    return trace
+        trace.final_wall = engine.clock
+    return trace.close(engine)
 
 
 def _space_and_bench(sim: Any) -> tuple[Any, Any]:
@@ -176,7 +190,7 @@ def _launch(engine: Any, s: Any, bench: Any, trace: Trace) -> float | None:
 
     result = engine.run(s, bench)
     value = score("tg", result.pp, result.tg, bench) if result.ok else None
-    trace.add(value, true_tg(engine, s, bench), result.outcome.value == "oom")
+    trace.add(value, true_tg(engine, s, bench), result.outcome.value == "oom", engine)
     return value
 
 
@@ -199,7 +213,7 @@ def run_random(sim: Any, seed: int, trials: int) -> Trace:
             continue
         value = _launch(engine, s, bench, trace)
         study.tell(trial, value if value is not None else 0.0)
-    return trace
+    return trace.close(engine)
 
 
 class _FixedLayers:
@@ -232,7 +246,7 @@ def run_bisect_tpe(sim: Any, seed: int, trials: int) -> Trace:
     while low < high and len(trace.true) < trials:
         mid = (low + high + 1) // 2
         probe = engine.run(space.settings(n_gpu_layers=mid, **defaults), bench)
-        trace.add(None, 0.0, probe.outcome.value == "oom")
+        trace.add(None, 0.0, probe.outcome.value == "oom", engine)
         if probe.ok:
             low = mid
         else:
@@ -247,7 +261,7 @@ def run_bisect_tpe(sim: Any, seed: int, trials: int) -> Trace:
             continue
         value = _launch(engine, s, bench, trace)
         study.tell(trial, value if value is not None else 0.0)
-    return trace
+    return trace.close(engine)
 
 
 def trials_to(picks: list[float], goal: float) -> int | None:
@@ -262,11 +276,23 @@ def summarize(traces: list[Trace], final: list[Trace] | None, optimum: float) ->
     worst = max(as_num)
     if final is not None:
         at_20 = [(t.final_true or 0.0) / optimum for t in final]
+        total = [t.final_wall or 0.0 for t in final]
     else:
         at_20 = [t.picks()[min(BUDGET, len(t.true)) - 1] / optimum for t in traces]
+        total = [t.wall[min(BUDGET, len(t.wall)) - 1] for t in traces]
+    # the simulated wall clock when the pick first reaches 0.98 (the launch that got there included)
+    wall_to = [t.wall[r - 1] if r is not None else float("inf") for t, r in zip(traces, reached)]
+    wall_median = statistics.median(wall_to)
+    spent = final or traces
     return {
         "trials_to_098_median": None if median == float("inf") else median,
         "trials_to_098_worst": None if worst == float("inf") else worst,
+        "wall_s_to_098_median": None if wall_median == float("inf") else round(wall_median, 1),
+        "wall_s_total_median": round(statistics.median(total), 1),
+        "loads_total_median": statistics.median(t.loads if final else t.loads_at[min(BUDGET, len(t.loads_at)) - 1]
+                                                for t in spent),
+        "_spent": ({k: round(statistics.median(t.spent.get(k, 0.0) for t in final), 1) for k in final[0].spent}
+                   if final else None),
         "ratio_at_20_median": round(statistics.median(at_20), 4),
         "oom_launches": sum(sum(t.oom[:BUDGET]) for t in (final or traces)),
         "_ratios_at_20": [round(r, 3) for r in at_20],
@@ -282,6 +308,9 @@ def main() -> int:
     parser.add_argument("--horizon", type=int, default=60, help="launches searched for the 0.98 mark")
     parser.add_argument("--machines", default=None, help="comma-separated simulated machines (default: all)")
     parser.add_argument("--json", action="store_true", help="print only the JSON summary")
+    parser.add_argument("--json-out", default=None, metavar="FILE", help="also write the JSON summary to FILE")
+    parser.add_argument("--storage", default="nvme", help="where the model files live: nvme, sata-ssd, hdd, network "
+                        "(tuner.engine.roofline.STORAGE)")
     parser.add_argument("--vram-margin", type=int, default=None, metavar="MiB",
                         help="the tuner's --vram-margin (default: none given, the tune command's calibrated margin)")
     parser.add_argument("--ablation", action="store_true",
@@ -291,6 +320,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["OFFLOAD_TUNER_HOME"] = tmp
+        # a simulated machine is no machine to lock: runs of this benchmark (and tunes here) need not wait for each other
+        os.environ["OFFLOAD_TUNER_LOCK_DIR"] = os.path.join(tmp, "locks")
         import optuna
 
         from tuner.machine.simulated import SIMULATED
@@ -300,6 +331,11 @@ def main() -> int:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         seeds = args.seeds or (3 if args.quick else 10)
+        from tuner.engine.roofline import STORAGE
+
+        if args.storage not in STORAGE:
+            print(f"search_at_scale: unknown --storage {args.storage}; known: {', '.join(STORAGE)}", file=sys.stderr)
+            return 2
         margin_arg = args.vram_margin << 20 if args.vram_margin is not None else None
         names = args.machines.split(",") if args.machines else list(SIMULATED)
         unknown = [n for n in names if n not in SIMULATED]
@@ -310,7 +346,7 @@ def main() -> int:
         started = time.monotonic()
         out: dict[str, Any] = {}
         for name in names:
-            sim = SIMULATED[name]
+            sim = dataclasses.replace(SIMULATED[name], storage=args.storage)
             space, bench = _space_and_bench(sim)
             t0 = time.monotonic()
             best = optimum(space, sim.engine(noise=0.0), bench)
@@ -359,8 +395,16 @@ def main() -> int:
                     f"{reach(summary['trials_to_098_worst']):>3} | ratio at 20: {summary['ratio_at_20_median']:.3f} "
                     f"{summary['_ratios_at_20']} | OOM launches {summary['oom_launches']}{extra} "
                     f"({time.monotonic() - t0:.0f} s)")
+                minutes = lambda v: "-" if v is None else f"{v / 60:.1f} min"  # noqa: E731
+                split = summary["_spent"]
+                say(f"   {'':<18} simulated wall clock to 0.98: median {minutes(summary['wall_s_to_098_median'])}; to the "
+                    f"{'profile' if final else 'pick at 20'}: median {minutes(summary['wall_s_total_median'])}, "
+                    f"{summary['loads_total_median']:g} loads"
+                    + (" (" + ", ".join(f"{k} {v / 60:.1f} min" for k, v in split.items()) + ")" if split else ""))
             out[name] = row
         say(f"\n{seeds} seeds, horizon {args.horizon} launches, {time.monotonic() - started:.0f} s")
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
         if args.json:
             print(json.dumps(out, indent=2))
         elif not args.ablation:

@@ -154,6 +154,10 @@ def test_tune_report_writes_it_at_the_end(models, tuner_home):
     path = Path(line[len("report: "):])
     assert path.parent == tuner_home / "reports" and path.exists()
     assert 'id="history"' in path.read_text()
+    # where the time went: printed at the end, and in the report's summary
+    spent = next(l for l in out.stdout.splitlines() if l.startswith("time: "))
+    assert "loading" in spent and "measuring" in spent and "re-measuring" in spent
+    assert "<td>time</td>" in path.read_text() and "loading" in path.read_text()
 
 
 def _one_line(result) -> str:

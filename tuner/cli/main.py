@@ -20,6 +20,7 @@ from .. import __version__
 from ..errors import SettingsError, TunerError
 
 MiB = 1 << 20
+GIB = 1 << 30
 
 
 class _Group(click.Group):
@@ -755,6 +756,11 @@ class _Progress:
             how = "side by side, in rotating rounds" if e.get("paired") else "in alternating rounds"
             out(f"re-measuring the {len(e['candidates'])} leading candidates {how} ({e['rounds']} rounds, "
                 f"{e['repetitions']} repetitions each)")
+        elif kind == "remeasure_skipped":
+            out(f"not re-measured: {e['message']}")
+        elif kind == "load_progress":
+            out(f"      loading the model: {e['bytes'] / GIB:.1f} of {e['total'] / GIB:.1f} GiB read ({e['load']:.0%}, "
+                f"{e['seconds']:.0f} s)")
         elif kind == "paired_failed":
             out(f"the side-by-side measurement failed ({e['message'][:200]}); measuring one after another instead")
         elif kind == "interrupted":
@@ -940,6 +946,10 @@ def tune_cmd(model: str | None, demo: bool, variants: tuple[str, ...], trials: i
     c = result.counts
     click.echo(f"trials: {c['run']} run, {c['pruned']} not launched (invalid, predicted not to fit, or past a learned "
                f"out-of-memory boundary), {c['oom']} out of memory, {c['failed']} failed")
+    if result.time:
+        from ..search.timing import describe as describe_time
+
+        click.echo(describe_time(result.time))
     if result.profile_path:
         click.echo(f"profile: {result.profile_path}")
     if report is not None:

@@ -109,6 +109,54 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 @dataclass(frozen=True)
+class StopRule:
+    """When a trial may stop repeating before ``bench.repetitions``: once its figure is clearly
+    behind the study's leader (every repetition so far scores below ``below``), or, from the second
+    repetition on, when its repetitions agree within ``agree`` (relative) and all score below
+    ``leader``: more repetitions would not change its rank. The leader itself, and anything near
+    it, runs every repetition. Plain data, so a worker process can apply it.
+
+    A repetition's score is the objective's (``tuner.search.objective.score``) of that
+    repetition's pp and tg: ``tg``, ``pp``, or ``mixed`` (one request of ``n_prompt`` + ``n_gen``
+    tokens)."""
+
+    objective: str
+    below: float
+    leader: float
+    n_prompt: int = 512
+    n_gen: int = 128
+    min_repetitions: int = 1
+    agree: float = 0.02
+
+    def score(self, pp: float | None, tg: float | None) -> float:
+        if self.objective == "tg":
+            return tg or 0.0
+        if self.objective == "pp":
+            return pp or 0.0
+        seconds = (self.n_prompt / pp if pp else 0.0) + (self.n_gen / tg if tg else 0.0)
+        return (self.n_prompt + self.n_gen) / seconds if seconds else 0.0
+
+    def enough(self, pp: Sequence[float], tg: Sequence[float]) -> bool:
+        """Whether the repetitions so far (``pp[i]``, ``tg[i]`` one repetition; either may be empty
+        when the bench measures only the other) settle the trial's rank."""
+        n = max(len(pp), len(tg))
+        if n < self.min_repetitions:
+            return False
+        scores = [self.score(pp[i] if i < len(pp) else None, tg[i] if i < len(tg) else None) for i in range(n)]
+        best = max(scores)
+        if best < self.below:
+            return True
+        return n >= 2 and best < self.leader and (best - min(scores)) <= self.agree * best
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StopRule":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
 class Stats:
     """Tokens/sec over repetitions: every sample kept."""
 
@@ -300,4 +348,4 @@ class FitAnswer:
     tool: str  # the binary that answered
 
 
-__all__ = ["BenchSpec", "percentile", "Stats", "TrialResult", "median_interval", "Engine", "EngineBuild", "FitAnswer", "DeviceInfo"]
+__all__ = ["BenchSpec", "percentile", "StopRule", "Stats", "TrialResult", "median_interval", "Engine", "EngineBuild", "FitAnswer", "DeviceInfo"]

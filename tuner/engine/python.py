@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .base import BenchSpec, Engine, EngineBuild, Stats, TrialResult
+from .base import BenchSpec, Engine, EngineBuild, Stats, StopRule, TrialResult
 from .devices import DeviceInfo
 from .logparse import LoadReport, parse_log
 from .outcome import Classification, Outcome, classify
@@ -49,6 +49,7 @@ class TrialRunner(Engine):
 
     name = "python"
     loads_candidates_together = True  # run_paired loads every candidate in one worker
+    stops_early = True  # run() takes a StopRule
 
     def __init__(
         self,
@@ -74,6 +75,8 @@ class TrialRunner(Engine):
         self._model_log = ""
         self._count = 0
         self._build: dict[str, Any] | None = None
+        # told how a long model load goes: {"load": share, "bytes", "total", "seconds"} (the tuner sets it)
+        self.on_load: Callable[[dict[str, Any]], None] | None = None
 
     # -- what this llama.cpp is -------------------------------------------------------------------
 
@@ -180,7 +183,9 @@ class TrialRunner(Engine):
             return f"{bench.users} users need n_parallel {bench.users} or more, got {settings.n_parallel}"
         return None
 
-    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
+    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None,
+            stop: StopRule | None = None) -> TrialResult:
+        """One trial; ``stop``: when it may end before ``bench.repetitions`` (the worker applies it)."""
         started = time.perf_counter()
         rejected = self.pre_check(settings, bench)
         if rejected:
@@ -195,6 +200,8 @@ class TrialRunner(Engine):
             "settings": _wire(settings),
             "bench": bench.to_dict(),
         }
+        if stop is not None:
+            request["stop"] = stop.to_dict()
         x = self._exchange(request, started + self.timeout_s)
         if x.reply is not None and not x.reply.get("reused_model"):
             # keep this load's model lines for later trials that reuse the model
@@ -353,8 +360,13 @@ class TrialRunner(Engine):
                         return {"status": "error", "message": f"unreadable reply: {line[:200]!r}"}, False
                     if isinstance(message, dict) and "progress" in message and "status" not in message:
                         deadline = time.perf_counter() + self.timeout_s
-                        if on_progress is not None:
-                            on_progress(message["progress"])
+                        progress = message["progress"]
+                        if isinstance(progress, dict) and "load" in progress:
+                            # a long model load: bytes read of the file's size (worker._load_progress)
+                            if self.on_load is not None:
+                                self.on_load(progress)
+                        elif on_progress is not None:
+                            on_progress(progress)
                         continue
                     return message, False
         finally:

@@ -35,6 +35,23 @@ measurements keep their ratio), plus a small per-sample jitter; every factor lie
 
 The device table below holds vendor figures (memory, bandwidth, peak throughput, bus), each with
 its source. Efficiencies and latencies are this module's assumptions, marked as such.
+
+What a trial costs in wall-clock time (``engine.clock``, split by ``engine.spent``; each result's
+``wall_s`` and ``load_s``), as the python engine spends it (``reuse_model=True``: the model stays
+loaded while trials share ``Settings.model_key``; ``False``: llama-bench, which loads it for every
+trial):
+
+- the load: a process start where a fresh one is needed, then the file read from the page cache
+  when an earlier load left it there, else from the machine's ``storage`` (``STORAGE``: a cited
+  sequential-read figure per device class), overlapped with the upload of the accelerators' share
+  over their bus. The page cache keeps a file when it fits in the RAM the trial leaves (least
+  recently used files go first). A weight buffer that does not fit fails before any data is read;
+  a cache or compute buffer that does not fit fails after the load, at the context;
+- the context: its setup and the clearing of its KV cache;
+- the warm-up and each repetition at the speeds the trial measured (noise included): the worker's
+  warm-up is one prompt and 8 generated tokens; the cache is filled to ``depth`` tokens untimed
+  once per context (``depth_once``, the worker's way), or before each timed region (pp, tg) as
+  llama-bench does. A ``StopRule`` ends the repetitions early, as in the worker.
 """
 
 from __future__ import annotations
@@ -43,6 +60,7 @@ import dataclasses
 import math
 import random
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -52,7 +70,7 @@ from ..limits import tensor_regex
 from ..model.estimate import CPU, MemoryEstimate, estimate, layer_devices
 from ..model.inspect import ModelInfo
 from ..model.special import flash_attn_forms
-from .base import BenchSpec, Engine, EngineBuild, Stats, TrialResult
+from .base import BenchSpec, Engine, EngineBuild, Stats, StopRule, TrialResult
 from .devices import DeviceInfo
 from .logparse import LoadReport
 from .outcome import Outcome
@@ -167,6 +185,44 @@ UNIFIED_GPU_SHARE = 0.75
 _FLOAT_KV = ("f16", "f32", "bf16")
 _ROUTED_EXPERT = re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+# -- what a trial costs in time --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where the model files live: a device class and its sequential read speed."""
+
+    name: str
+    bandwidth: float  # sequential read, bytes/s
+    source: str = ""
+
+
+STORAGE: dict[str, Storage] = {
+    "nvme": Storage("NVMe SSD (PCIe 4.0 x4)", 7.45e9,
+                    "Samsung 990 PRO product specifications: sequential read up to 7,450 MB/s"),
+    "sata-ssd": Storage("SATA SSD", 560e6,
+                        "Samsung 870 EVO data sheet: sequential read up to 560 MB/s (the SATA 6 Gb/s interface's ceiling)"),
+    "hdd": Storage("hard disk, 7200 rpm", 190e6,
+                   "Seagate BarraCuda 3.5-inch data sheet (ST8000DM004): max. sustained transfer rate 190 MB/s, "
+                   "on the outer tracks (less towards the inner ones)"),
+    "network": Storage("network share over 1 Gb/s Ethernet", 117.7e6,
+                       "IEEE 802.3ab (1000BASE-T): 125 MB/s on the wire; a standard 1500-byte MTU carries 1448 bytes of "
+                       "TCP payload per 1538 bytes on the wire (preamble, headers, FCS, gap): 117.7 MB/s, before the "
+                       "file protocol's own overhead"),
+}
+# Assumptions, not vendor figures: a file already in the page cache is copied out of it (faulting
+# the pages in, uploading through pinned buffers) at about this rate; a fresh worker process
+# (Python, llama-cpp-python's import, the backends' initialisation) and a model's metadata and
+# buffer setup cost about these; each context sets up its graphs in about CONTEXT_SETUP_S.
+PAGE_CACHE_BANDWIDTH = 8e9
+PROCESS_START_S = 1.0
+MODEL_SETUP_S = 0.3
+CONTEXT_SETUP_S = 0.3
+# the worker's warm-up generates this many tokens (tuner.engine.worker._Bench.warm_up)
+WARMUP_GEN_TOKENS = 8
+COSTS = ("load", "context", "warmup", "measure")
 
 
 # -- the noise ------------------------------------------------------------------------------------
@@ -293,7 +349,11 @@ class RooflineEngine(Engine):
         free: Mapping[str, int] | None = None,
         noise: float = 0.2,
         seed: int = 0,
+        storage: str = "nvme",
+        reuse_model: bool = True,
     ) -> None:
+        if storage not in STORAGE:
+            raise ValueError(f"storage must be one of {', '.join(STORAGE)}, got {storage!r}")
         self.models = dict(models)
         self.host = host
         self.ram = ram
@@ -313,10 +373,27 @@ class RooflineEngine(Engine):
         self.drift = Drift(noise, seed)
         self.launched: list[Settings] = []
         self._compiled: dict[str, _Compiled] = {}
+        # the wall clock a real machine would have spent, by kind (COSTS)
+        self.storage = STORAGE[storage]
+        self.reuse_model = reuse_model
+        self.spent: dict[str, float] = {k: 0.0 for k in COSTS}
+        self.loads = 0
+        self._loaded: tuple | None = None  # the model_key the worker holds
+        self._page_cache: OrderedDict[str, int] = OrderedDict()  # file -> bytes, least recently used first
+        self._prefill: dict[tuple, float] = {}
+
+    @property
+    def clock(self) -> float:
+        """Seconds a real machine would have spent on every trial so far."""
+        return sum(self.spent.values())
 
     # -- the engine interface ----------------------------------------------------------------------
 
     name = "roofline"
+    stops_early = True  # run() takes a StopRule, as the python engine's does
+    # the python engine's worker fills the depth once per context and drops only what each timed
+    # region added (worker._Bench.at_depth); llama-bench (and the worker before) fills it for each
+    depth_once = True
 
     def build(self) -> EngineBuild:
         return EngineBuild(engine=self.name, backends=tuple(dict.fromkeys(["CPU", *(s.backend for s in self.specs.values())])),
@@ -334,27 +411,44 @@ class RooflineEngine(Engine):
     def close(self) -> None:
         pass
 
-    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: object = None) -> TrialResult:
-        """One simulated trial: refused, out of memory, or ``bench.repetitions`` noisy samples."""
+    def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: object = None,
+            stop: StopRule | None = None) -> TrialResult:
+        """One simulated trial: refused, out of memory, or ``bench.repetitions`` noisy samples (fewer
+        where ``stop`` says the rank is settled, as the python engine's worker does)."""
         self.launched.append(settings)
         refused = self._refuse(settings, bench)
         if refused is not None:
             return refused
+        before = self.clock
         est = self.memory(settings)
         over = self.out_of_memory(est)
+        reused = self.reuse_model and self._loaded == settings.model_key
+        load_s = 0.0 if reused else self._load(settings, est, over)
         if over is not None:
-            return self._oom(settings, bench, est, over)
+            self._loaded = None  # a failed trial retires its worker
+            if not self._weights_fail(est, over):
+                self._charge("context", CONTEXT_SETUP_S)
+            return dataclasses.replace(self._oom(settings, bench, est, over), wall_s=self.clock - before, load_s=load_s)
+        self._loaded = settings.model_key if self.reuse_model else None
+        self._context(settings, est)
         pp, tg = self.speed(settings, bench)
-        pps, tgs = [], []
+        self._warm_up(settings, bench, pp, tg)
+        pps: list[float] = []
+        tgs: list[float] = []
         for _ in range(bench.repetitions):
             self.drift.step()
             pps.append(pp * self.drift.factor())
             tgs.append(tg * self.drift.factor())
-        return self._ok(settings, bench, est, pps, tgs)
+            self._repetition(settings, bench, pp, tg, pps[-1], tgs[-1])
+            if stop is not None and stop.enough(pps if bench.n_prompt else [], tgs if bench.n_gen else []):
+                break
+        result = self._ok(settings, bench, est, pps, tgs)
+        return dataclasses.replace(result, wall_s=self.clock - before, load_s=load_s, reused_model=reused)
 
     def run_paired(self, candidates: list[Settings], bench: BenchSpec = BenchSpec(), *, rounds: int = 5) -> list[TrialResult]:
         """Candidates measured side by side: in each round every candidate is measured within the
-        same seconds, so they share the round's drift and differ only by jitter."""
+        same seconds, so they share the round's drift and differ only by jitter. (The python
+        engine's way: each model loaded once, a context per candidate, in one worker.)"""
         self.launched.extend(candidates)
         for s in candidates:
             refused = self._refuse(s, bench)
@@ -362,9 +456,18 @@ class RooflineEngine(Engine):
                 return [dataclasses.replace(refused, settings=x) for x in candidates]
         ests = [self.memory(s) for s in candidates]
         over = self._together(candidates, ests)
+        self._loaded = None  # the paired worker frees what it loaded
+        loaded: set[tuple] = set()
+        for s, e in zip(candidates, ests):
+            if s.model_key not in loaded:
+                loaded.add(s.model_key)
+                self._load(s, e, None)
         if over is not None:
             return [self._oom(s, bench, e, over) for s, e in zip(candidates, ests)]
         speeds = [self.speed(s, bench) for s in candidates]
+        for s, e, (pp, tg) in zip(candidates, ests, speeds):
+            self._context(s, e)
+            self._warm_up(s, bench, pp, tg)
         pps: list[list[float]] = [[] for _ in candidates]
         tgs: list[list[float]] = [[] for _ in candidates]
         for r in range(rounds):
@@ -374,7 +477,93 @@ class RooflineEngine(Engine):
                     i = (k + r) % len(candidates)  # rotating order
                     pps[i].append(speeds[i][0] * self.drift.factor())
                     tgs[i].append(speeds[i][1] * self.drift.factor())
+                    self._repetition(candidates[i], bench, *speeds[i], pps[i][-1], tgs[i][-1])
         return [self._ok(s, bench, e, pps[i], tgs[i]) for i, (s, e) in enumerate(zip(candidates, ests))]
+
+    # -- time -----------------------------------------------------------------------------------------
+
+    def _charge(self, kind: str, seconds: float) -> None:
+        self.spent[kind] += seconds
+
+    def _weights_fail(self, est: MemoryEstimate, device: str) -> bool:
+        """Whether the weights alone do not fit ``device`` (llama.cpp then fails before reading any)."""
+        if device == CPU:
+            return False  # the host maps the file: its weights fail only with the rest, at the context
+        return est.devices[device].weights > self.capacity.get(device, 0)
+
+    def load_seconds(self, s: Settings, est: MemoryEstimate, *, cached: bool, fresh: bool = True) -> float:
+        """Seconds to load ``s``'s model: the file read (from the page cache or the storage),
+        overlapped with the accelerators' share going over their bus."""
+        info = self.models[s.model_path]
+        read = info.file_size / (PAGE_CACHE_BANDWIDTH if cached else self.storage.bandwidth)
+        upload = 0.0
+        for device, mem in est.devices.items():
+            if device != CPU and mem.weights and not self.specs[device].unified:
+                upload += mem.weights / (self.specs[device].link or PCIE4_X16).bandwidth
+        return (PROCESS_START_S if fresh else 0.0) + MODEL_SETUP_S + max(read, upload)
+
+    def _load(self, s: Settings, est: MemoryEstimate, over: str | None) -> float:
+        """Charge one load of ``s``'s model (to where it fails, when ``over`` names a device that
+        cannot hold its weights) and keep the page cache's state. Returns its seconds."""
+        self.loads += 1
+        fresh = True  # both engines start a process for a new model (the python engine retires its worker)
+        if over is not None and self._weights_fail(est, over):
+            seconds = PROCESS_START_S + MODEL_SETUP_S
+            self._charge("load", seconds)
+            return seconds
+        path = s.model_path
+        size = self.models[path].file_size
+        cached = path in self._page_cache
+        seconds = self.load_seconds(s, est, cached=cached, fresh=fresh)
+        self._charge("load", seconds)
+        # what the page cache keeps: the RAM the trial's own buffers leave
+        room = self.capacity[CPU] - est.devices[CPU].kv - est.devices[CPU].compute
+        if self.unified:
+            room -= sum(m.kv + m.compute for d, m in est.devices.items() if d != CPU)
+        self._page_cache.pop(path, None)
+        if size > room:
+            self._page_cache.clear()  # streaming a file larger than the cache leaves nothing else in it
+        else:
+            while self._page_cache and sum(self._page_cache.values()) + size > room:
+                self._page_cache.popitem(last=False)
+            self._page_cache[path] = size
+        return seconds
+
+    def _context(self, s: Settings, est: MemoryEstimate) -> None:
+        clear = 0.0
+        for device, mem in est.devices.items():
+            bandwidth = self.host.bandwidth if device == CPU else self.specs[device].bandwidth
+            clear += mem.kv / bandwidth
+        self._charge("context", CONTEXT_SETUP_S + clear)
+
+    def prefill_seconds(self, s: Settings, tokens: int) -> float:
+        """Noiseless seconds to fill the cache with ``tokens`` tokens (the untimed depth)."""
+        if tokens <= 0:
+            return 0.0
+        key = (s, tokens)
+        if key not in self._prefill:
+            pp, _ = self.speed(s, BenchSpec(n_prompt=tokens, n_gen=0, depth=0))
+            self._prefill[key] = tokens / pp
+        return self._prefill[key]
+
+    def _warm_up(self, s: Settings, bench: BenchSpec, pp: float, tg: float) -> None:
+        if not bench.warmup:
+            return
+        depth = self.prefill_seconds(s, bench.depth)
+        regions = (1 if bench.n_prompt else 0) + (1 if bench.n_gen else 0)
+        seconds = ((depth if self.depth_once else regions * depth) + (bench.n_prompt / pp if bench.n_prompt else 0.0)
+                   + (min(bench.n_gen, WARMUP_GEN_TOKENS) / tg if bench.n_gen else 0.0))
+        self._charge("warmup", seconds)
+
+    def _repetition(self, s: Settings, bench: BenchSpec, pp: float, tg: float, pp_seen: float, tg_seen: float) -> None:
+        """One repetition at the speeds measured (the untimed depth slowed as the timed part was)."""
+        depth = 0.0 if self.depth_once else self.prefill_seconds(s, bench.depth)
+        seconds = 0.0
+        if bench.n_prompt:
+            seconds += (depth + bench.n_prompt / pp) * pp / pp_seen
+        if bench.n_gen:
+            seconds += (depth + bench.n_gen / tg) * tg / tg_seen
+        self._charge("measure", seconds)
 
     # -- memory -------------------------------------------------------------------------------------
 
@@ -598,4 +787,4 @@ class RooflineEngine(Engine):
         )
 
 
-__all__ = ["DEVICES", "DeviceSpec", "Drift", "Link", "RooflineEngine"]
+__all__ = ["COSTS", "DEVICES", "STORAGE", "DeviceSpec", "Drift", "Link", "RooflineEngine", "Storage"]

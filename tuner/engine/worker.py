@@ -28,6 +28,12 @@ from typing import Any
 
 from .dimensions import DIMENSIONS
 from .process import LOG_MARK
+from .base import StopRule
+
+# a load that takes longer than this says how far it is, every LOAD_PROGRESS_EVERY_S (the tests set
+# OFFLOAD_TUNER_LOAD_PROGRESS_AFTER_S=0 to see the lines of a small model's short load)
+LOAD_PROGRESS_AFTER_S = float(os.environ.get("OFFLOAD_TUNER_LOAD_PROGRESS_AFTER_S", "2"))
+LOAD_PROGRESS_EVERY_S = 1.0
 from .settings import MODEL_KEYS, Settings
 
 
@@ -146,12 +152,37 @@ class Worker:
             params.tensor_buft_overrides = overrides.address
             keep.append(overrides)
         started = time.perf_counter()
+        progress = self._load_progress(s["model_path"], started)
+        params.progress_callback = progress
+        keep.append(progress)
         # (os.fsencode: a path that is not UTF-8 reaches here with surrogate escapes; these are its bytes)
         model = lc.llama_model_load_from_file(os.fsencode(s["model_path"]), params)
         seconds = time.perf_counter() - started
         if not model:
             return None, keep, "llama.cpp failed to load the model", seconds
         return model, keep, None, seconds
+
+    def _load_progress(self, path: str, started: float) -> Any:
+        """llama.cpp's load progress callback (``llama_model_params.progress_callback``, called with
+        the share of the tensor data loaded so far): a progress line of bytes read of the file's size,
+        once a load has taken LOAD_PROGRESS_AFTER_S, then every LOAD_PROGRESS_EVERY_S. A short load
+        sends none. Returns True: never cancel."""
+        try:
+            total = os.path.getsize(path)
+        except OSError:
+            total = 0
+        last = [started]
+
+        def on_progress(fraction: float, _user: Any) -> bool:
+            now = time.perf_counter()
+            if now - started >= LOAD_PROGRESS_AFTER_S and (now - last[0] >= LOAD_PROGRESS_EVERY_S or fraction >= 1.0):
+                last[0] = now
+                self.send({"progress": {"load": round(min(1.0, max(0.0, float(fraction))), 4),
+                                        "bytes": int(total * min(1.0, max(0.0, float(fraction)))), "total": total,
+                                        "seconds": round(now - started, 1)}})
+            return True
+
+        return self.llama_cpp.llama_progress_callback(on_progress)
 
     def new_context(self, s: dict[str, Any], model: Any = None, *, threadpools: bool = False):
         """A context for ``s``; with ``threadpools``, the CPU threadpools llama-bench attaches
@@ -196,7 +227,10 @@ class Worker:
                 return {"status": "bad_settings", "message": b.too_small}
             if bench.get("warmup", True):
                 b.warm_up()
-            pp, tg = _samples(b, bench["repetitions"])
+            # a repetition is one pp and one tg; the trial may stop early by the tuner's rule
+            # (tuner.engine.base.StopRule: clearly behind the leader, or its rank settled)
+            stop = StopRule.from_dict(request["stop"]) if request.get("stop") else None
+            pp, tg = _samples(b, bench["repetitions"], stop)
             return {
                 "status": "ok",
                 "pp_samples": pp,
@@ -238,10 +272,26 @@ class _Bench:
         need = self.D + max(self.P, self.G)
         self.too_small = f"depth {self.D} + {max(self.P, self.G)} tokens exceed n_ctx {self.n_ctx}" if need > self.n_ctx else None
         self.memory = lc.llama_get_memory(ctx)
+        self.filled = False  # whether the cache holds the depth's tokens (at_depth)
         # one batch for generation, refilled per token; one buffer for prompt chunks
         self.one_token = (lc.llama_token * 1)()
         self.one = lc.llama_batch_get_one(self.one_token, 1)
         self.chunk = (lc.llama_token * max(1, self.n_batch))()
+
+    def at_depth(self) -> None:
+        """The cache holding ``depth`` tokens and nothing after. The depth is filled once per context;
+        later regions drop only what the last one added (``llama_memory_seq_rm`` from position D on),
+        which leaves the same cache as filling it again, without the untimed prefill each time
+        (at a 4096-token depth on a partial offload, most of a repetition's time). A memory that
+        cannot drop a tail (a recurrent model's) is cleared and filled again, as llama-bench does."""
+        lc = self.lc
+        if self.D and self.filled and lc.llama_memory_seq_rm(self.memory, -1, self.D, -1):
+            return
+        lc.llama_memory_clear(self.memory, False)
+        self.filled = False
+        if self.D:
+            self.prompt(self.prompt_tokens(self.D))
+            self.filled = True
 
     def prompt_tokens(self, n: int) -> list[int]:
         tokens = [self.rng.randrange(self.n_vocab) for _ in range(n)]
@@ -274,9 +324,7 @@ class _Bench:
             synchronize(ctx)
 
     def _timed(self, run: Any, tokens: list[int]) -> float:
-        self.lc.llama_memory_clear(self.memory, False)
-        if self.D:
-            self.prompt(self.prompt_tokens(self.D))
+        self.at_depth()
         start = time.perf_counter_ns()
         run(tokens)
         return len(tokens) / ((time.perf_counter_ns() - start) / 1e9)
@@ -426,19 +474,26 @@ def _bench_for(lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> "_Bench 
     return _Batched(lc, model, ctx, bench) if int(bench.get("users", 1)) > 1 else _Bench(lc, model, ctx, bench)
 
 
-def _samples(b: "_Bench | _Batched", reps: int) -> tuple[list[float], list[float]]:
-    """``reps`` repetitions of pp and tg samples."""
-    if isinstance(b, _Batched):
-        pp: list[float] = []
-        tg: list[float] = []
-        for _ in range(reps):
+def _samples(b: "_Bench | _Batched", reps: int, stop: "StopRule | None" = None) -> tuple[list[float], list[float]]:
+    """Up to ``reps`` repetitions of pp and tg samples (a repetition is one of each); fewer when
+    ``stop`` says the ones so far settle the trial's rank."""
+    pp: list[float] = []
+    tg: list[float] = []
+    for _ in range(reps):
+        if isinstance(b, _Batched):
             p, g = b.timed_both()
             if p is not None:
                 pp.append(p)
             if g is not None:
                 tg.append(g)
-        return pp, tg
-    return ([b.timed_pp() for _ in range(reps)] if b.P else []), ([b.timed_tg() for _ in range(reps)] if b.G else [])
+        else:
+            if b.P:
+                pp.append(b.timed_pp())
+            if b.G:
+                tg.append(b.timed_tg())
+        if stop is not None and stop.enough(pp, tg):
+            break
+    return pp, tg
 
 
 def paired(worker: "Worker", request: dict[str, Any]) -> dict[str, Any]:

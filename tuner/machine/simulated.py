@@ -95,6 +95,7 @@ class SimulatedMachine:
     quantizations: tuple[str, ...]
     min_ctx: int = 8192
     depth: int = 4096
+    storage: str = "nvme"  # where the model files live (tuner.engine.roofline.STORAGE)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -134,10 +135,13 @@ class SimulatedMachine:
             devices=tuple(d.to_dict() for d in self.engine(noise=0.0).devices()),
         )
 
-    def engine(self, *, noise: float = 0.2, seed: int = 0) -> RooflineEngine:
+    def engine(self, *, noise: float = 0.2, seed: int = 0, reuse_model: bool = True) -> RooflineEngine:
+        """The roofline engine for this machine; ``reuse_model``: the python engine's way of keeping a
+        loaded model (False: llama-bench's, a load per trial)."""
         return RooflineEngine(
             self.models, host=self.host, ram=self.ram - OS_RESERVED,
             accelerators=list(zip(self.device_names(), self.gpus)), free=self.free(), noise=noise, seed=seed,
+            storage=self.storage, reuse_model=reuse_model,
         )
 
 

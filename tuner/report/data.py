@@ -71,6 +71,7 @@ class ReportData:
     profile_path: str | None = None
     study: Any = field(default=None, repr=False)  # the optuna Study, for parameter importances
     workload: Any = None  # the profile's (tuner.profile.document.Workload): users, figures, the knee
+    time: dict[str, float] | None = None  # where the last tune's wall time went (tuner.search.timing)
 
     @property
     def launched(self) -> list[TrialRow]:
@@ -227,7 +228,16 @@ def read_report_data(study: Any, profile: Any = None, storage: str = "") -> Repo
             runner_up = Pick(settings=ok[1].settings or {}, tg=ok[1].tg, pp=ok[1].pp, number=ok[1].number)
     return ReportData(study_name=study.study_name, storage=redact(storage), objective=objective, rows=rows,
                       winner=winner, runner_up=runner_up, quality=_quality(study), study=study,
-                      profile_path=getattr(profile, "path", None), workload=getattr(profile, "workload", None))
+                      profile_path=getattr(profile, "path", None), workload=getattr(profile, "workload", None),
+                      time=_time(study))
+
+
+def _time(study: Any) -> dict[str, float] | None:
+    """The time split the last tune of this study recorded, when it has numbers only."""
+    split = study.user_attrs.get("time")
+    if not isinstance(split, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in split.values()):
+        return None
+    return {str(k): float(v) for k, v in split.items()}
 
 
 def _stats(stats: Any) -> dict[str, Any] | None:

@@ -119,6 +119,10 @@ def _summary(data: ReportData) -> str:
             rows.append((label, _settings(pick.settings) + (f" (trial #{pick.number})" if pick.number is not None else "")))
             rows.append((f"{label} tg", _speed(pick.tg)))
             rows.append((f"{label} pp", _speed(pick.pp)))
+    if data.time and data.time.get("total_s"):
+        from ..search.timing import describe
+
+        rows.append(("time", describe(data.time).split(": ", 1)[1]))
     cells = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f'<table class="summary">{cells}</table>'
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..engine.base import BenchSpec, Stats, TrialResult
+from ..engine.base import BenchSpec, Stats, StopRule, TrialResult
 from ..engine.outcome import Outcome
 from ..engine.python import TrialRunner
 from .. import limits
@@ -61,6 +61,8 @@ from .budget import QualityBudget, median, rank_for_target, trade
 from .quality import DEFAULT_CHUNKS, DEFAULT_CTX, QualityMeter, QualityReport, choose_reference
 from .remeasure import Contender, Remeasure, pick_winner
 from .space import SearchSpace, build_space
+from .thrift import group_by_model, stop_rule, within_noise
+from .timing import TimeLedger
 from .storage import StudyStore
 from .variants import expand_variants, vet_variants
 
@@ -88,6 +90,7 @@ class TuneResult:
     trade: list[dict[str, Any]] = field(default_factory=list)
     target: dict[str, Any] | None = None  # {min_tg, min_pp, met, best_tg, best_pp} in target mode
     flags_check: dict[str, Any] | None = None  # the profile's llama-server flags through the engine's own parser
+    time: dict[str, float] = field(default_factory=dict)  # where the wall time went (timing.TimeLedger.to_dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +109,7 @@ class TuneResult:
             "trade": self.trade,
             "target": self.target,
             "flags_check": self.flags_check,
+            "time": self.time,
         }
 
 
@@ -228,6 +232,7 @@ class Tuner:
         self.rpc_servers = tuple(rpc_servers)
         self.seed = seed
         self.emit = on_event or (lambda event: None)
+        self.time = TimeLedger()  # where the wall time goes, from here
         self.trial_timeout = trial_timeout
 
         # Where the results go must take them, before any trial runs: a read-only profile or data
@@ -263,11 +268,13 @@ class Tuner:
                              "or use --engine python")
         self.machine = machine or probe(rpc_servers=self.rpc_servers, engine=engine)
         self.engine = engine
+        self._watch_loads(engine)
         self.quality: QualityReport | None = None
         self.excluded: dict[str, str] = {}
         wanted = self.budget.has_limit or (measure_quality and (len(self.models) > 1 or reference is not None))
         if wanted:
-            self.quality = self._measure_quality(reference, corpus, chunks, quality_ctx)
+            with self.time.part("quality"):
+                self.quality = self._measure_quality(reference, corpus, chunks, quality_ctx)
         if self.quality is not None and self.budget.has_limit:
             for path in list(self.models):
                 v = self.quality.by_path(path)
@@ -365,6 +372,7 @@ class Tuner:
         done, launched_before = self._resume(study)
         resumed = bool(study.get_trials(deepcopy=False))
         engine = self.engine or TrialRunner(timeout_s=self.trial_timeout)
+        self._watch_loads(engine)
         if not resumed:
             seeds = self._seeds()
             for s in seeds:
@@ -516,15 +524,17 @@ class Tuner:
                 self.emit({"kind": "launch", "number": trial.number, "n": launched_before + launched + 1,
                            "total": self.trials, "settings": s.to_dict(), "elapsed": time.monotonic() - started})
                 trial.set_user_attr("launched", True)
+                early = self._stop_rule(engine, study)
                 try:
                     with ctrl_c.immediate():
-                        result = engine.run(s, self.bench, trial_id=trial.number)
+                        result = engine.run(s, self.bench, trial_id=trial.number, **({"stop": early} if early else {}))
                 except KeyboardInterrupt:
                     trial.set_user_attr("interrupted", True)
                     study.tell(trial, state=TrialState.FAIL)
                     self.emit({"kind": "interrupted", "number": trial.number})
                     return True
                 launched += 1
+                self.time.trial(result)
                 self._record(trial, result, est)
                 if self._calibrate(trial, result, est):
                     self._reseed(study, done)
@@ -571,6 +581,20 @@ class Tuner:
             except (ValueError, TypeError):  # pragma: no cover - the same parameters enqueue as they were asked
                 pass
 
+    def _watch_loads(self, engine: Any) -> None:
+        """A long model load says how far it is (bytes read of the file's size), where the engine can."""
+        if engine is not None and hasattr(engine, "on_load") and engine.on_load is None:
+            engine.on_load = lambda p: self.emit({"kind": "load_progress", **p})
+
+    def _stop_rule(self, engine: Any, study: Any) -> StopRule | None:
+        """When the next trial may stop repeating (``thrift.stop_rule``), for an engine that can; none
+        in target mode, where a slower candidate of better quality may still be the answer."""
+        if not getattr(engine, "stops_early", False) or self.budget.has_target:
+            return None
+        if self.objective not in ("tg", "pp", "mixed") or self.bench.users > 1:
+            return None  # the rule scores one sequence's tg/pp; several users' figures are the workload's
+        return stop_rule(self.objective, self.bench, _best_value(study))
+
     def _time_left(self, started: float, launched: int, launched_before: int) -> float | None:
         """Seconds left: of the time budget, or estimated from the trials so far."""
         elapsed = time.monotonic() - started
@@ -581,6 +605,9 @@ class Tuner:
         return None
 
     def _seeds(self) -> list[Settings]:
+        return group_by_model(self._plain_seeds())
+
+    def _plain_seeds(self) -> list[Settings]:
         return self.candidates.seeds(self.space, self.machine.physical_cores, objective=self.objective,
                                      depth=self.bench.depth + self.bench.n_gen // 2, unified_memory=self.machine.unified_memory)
 
@@ -651,10 +678,20 @@ class Tuner:
             if not reaching:
                 self.emit({"kind": "target_missed", **target})
         contenders = reaching[: self.final_candidates] if reaching else [Contender.from_trial(t) for t in ranked[: self.final_candidates]]
-        if not interrupted:
+        clear = False
+        if not reaching and len(contenders) > 1:
+            # only the candidates within noise of the leader are measured again; none when it is clear
+            near = within_noise(contenders, self.objective)
+            clear = len(near) == 1
+            if clear:
+                self.emit({"kind": "remeasure_skipped", "candidates": [c.number for c in contenders],
+                           "message": f"#{near[0].number} leads the others by more than the noise: not measured again"})
+            contenders = near
+        if not interrupted and not clear:
             remeasure = Remeasure(engine, objective=self.objective, bench=self.bench, repetitions=self.final_repetitions,
                                   rounds=self.final_rounds, fit_together=self.candidates.fit_together, emit=self.emit)
-            contenders, interrupted = remeasure.run(contenders, ctrl_c)
+            with self.time.part("remeasure"):
+                contenders, interrupted = remeasure.run(contenders, ctrl_c)
         if reaching:
             confirmed = [c for c in contenders if self.budget.reaches(median(c.pp), median(c.tg))]
             if confirmed:
@@ -686,12 +723,14 @@ class Tuner:
         flags = self._check_exported_flags(profile, engine) if profile is not None else None
         best_out = best.to_dict()
         traded = self._trade(complete, contenders)
-        self.emit({"kind": "done", "profile_path": str(path) if path else None, "best": best_out, "counts": counts,
+        spent = self.time.to_dict()
+        study.set_user_attr("time", spent)  # the report shows it
+        self.emit({"kind": "done", "profile_path": str(path) if path else None, "best": best_out, "counts": counts, "time": spent,
                    "interrupted": interrupted, "profile_error": problem, "trade": traded, "target": target})
         return TuneResult(profile=profile, profile_path=path, best=best_out, runner_up=runner_up, counts=counts,
                           space=self.space, study_name=self.study_name, storage=self.storage, interrupted=interrupted,
                           rejected=self.rejected, profile_error=problem, quality=self.quality, excluded=self.excluded,
-                          trade=traded, target=target, flags_check=flags)
+                          trade=traded, target=target, flags_check=flags, time=spent)
 
     def _curve(self, engine: Any, best: Contender, second: Contender | None, ctrl_c: CtrlC) -> list[dict[str, Any]]:
         """The winner (and the next contender) measured at 1, 2, 4... users up to the workload's, each
