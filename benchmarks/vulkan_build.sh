@@ -4,8 +4,8 @@
 #   bash benchmarks/vulkan_build.sh OUT_DIR [LLAMA_CPP_SRC]
 # LLAMA_CPP_SRC: a llama.cpp source tree (default: $LLAMA_CPP_SOURCE, else the one vendored in the
 # llama-cpp-python sdist of pyproject.toml's version, downloaded here). About 15 minutes on 2 idle cores,
-# most of it the shaders. Builds llama-bench, llama-fit-params and llama-cli with their libraries beside
-# them (found through $ORIGIN: the folder can be moved). Run the tools with:
+# most of it the shaders. Builds llama-bench and llama-fit-params with their libraries beside them (found
+# through $ORIGIN: the folder can be moved). Run the tools with:
 #   GGML_VK_VISIBLE_DEVICES=0 OUT_DIR/llama-bench --list-devices
 # (lavapipe is a CPU-type Vulkan device, which ggml-vulkan skips unless it is named).
 # tests/test_vulkan.py runs on the result (OFFLOAD_TUNER_VULKAN_BIN=OUT_DIR); benchmarks/vulkan_journey.py
@@ -50,6 +50,9 @@ cmake -S "$src" -B "$tmp/build" -DGGML_VULKAN=ON -DGGML_RPC=ON -DLLAMA_BUILD_TES
   -DLLAMA_CURL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
   -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON -DLLAMA_BUILD_COMMIT="$commit" -DLLAMA_BUILD_NUMBER="$number" \
   -DCMAKE_BUILD_TYPE=Release >"$tmp/cmake.log" 2>&1 || { tail -20 "$tmp/cmake.log"; exit 1; }
-cmake --build "$tmp/build" -j"$(nproc)" --target llama-bench llama-fit-params llama-cli >"$tmp/build.log" 2>&1 || { tail -20 "$tmp/build.log"; exit 1; }
+# llama-bench and llama-fit-params only: llama-cli (VULKAN_TOOLS="llama-cli" adds it) pulls in llama.cpp's
+# server and multimodal code, a third of the build; llama-fit-params parses llama-cli's and llama-server's
+# flags with the same common parser.
+cmake --build "$tmp/build" -j"$(nproc)" --target llama-bench llama-fit-params ${VULKAN_TOOLS:-} >"$tmp/build.log" 2>&1 || { tail -20 "$tmp/build.log"; exit 1; }
 mkdir -p "$out"; cp -a "$tmp/build/bin/." "$out/"
 echo "$out"

@@ -3,7 +3,7 @@
 lavapipe (Debian's ``mesa-vulkan-drivers``) is a Vulkan device made of the CPU; llama.cpp's Vulkan
 backend runs on it as ``Vulkan0``, a GPU NVML cannot see. This script
 
-1. builds llama-bench, llama-fit-params and llama-cli with ``-DGGML_VULKAN=ON`` from the sources of the
+1. builds llama-bench and llama-fit-params with ``-DGGML_VULKAN=ON`` from the sources of the
    installed llama-cpp-python (``benchmarks/vulkan_build.sh``), or reuses ``--bin DIR`` when it holds
    them; prints the build's wall time and the machine's load average around it;
 2. prints ``Vulkan0`` as llama.cpp lists it, then llama-bench on a small made model (Q4_K_M) with every
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-TOOLS = ("llama-bench", "llama-fit-params")  # what the tests need; the build also makes llama-cli
+TOOLS = ("llama-bench", "llama-fit-params")
 MiB = 1 << 20
 
 
