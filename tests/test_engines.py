@@ -38,16 +38,47 @@ def settings(path: Any, **changes: Any) -> Settings:
 
 
 class EngineKit:
-    """Makes one kind of engine, and the RPC devices it offloads to (real servers for real engines)."""
+    """Makes one kind of engine, and the devices it offloads to: RPC servers (real servers for real
+    engines), or the build's own GPU where it has one (``gpu``: ``Vulkan0`` of llama.cpp's Vulkan
+    build on Mesa's lavapipe, tests/test_vulkan.py)."""
 
-    def __init__(self, kind: str, llama_bin: Path | None, start_servers: Callable[..., Any], models: dict[str, Path]) -> None:
+    def __init__(self, kind: str, llama_bin: Path | None, start_servers: Callable[..., Any], models: dict[str, Path],
+                 *, gpu: str | None = None) -> None:
         self.kind = kind
         self.llama_bin = llama_bin
         self.start_servers = start_servers
+        self.gpu = gpu
         self.infos = {str(p): inspect(p) for k, p in models.items() if k != "split"}
         self.capacity: dict[str, int] = {}
         self.devices: tuple[str, ...] = ()
         self.made: list[Engine] = []
+
+    @property
+    def local_devices(self) -> list[tuple[str, str]]:
+        """The devices the engine lists with no RPC server, as (name, type): the CPU, and the GPU if any."""
+        return [("CPU", "cpu")] + ([(self.gpu, "gpu")] if self.gpu else [])
+
+    def offload_target(self, memory_limit: int | None = None) -> tuple[str, dict[str, Any]]:
+        """A device to offload to: the label llama.cpp puts on its buffers, and the settings that
+        reach it. The build's GPU where it has one (``memory_limit`` is then for ``beyond_memory``),
+        else an RPC server (capped like a small GPU when ``memory_limit``)."""
+        if self.gpu:
+            return self.gpu, {}
+        endpoint = self.rpc_device(memory_limit)
+        return f"RPC0[{endpoint}]", {"rpc_servers": (endpoint,)}
+
+    def beyond_memory(self, engine: Engine, device: str, shape: ModelShape) -> dict[str, Any]:
+        """Settings under which a full offload of a ``shape`` model needs more than ``device`` has.
+        A capped RPC server runs out at the default context. A GPU cannot be capped, and lavapipe
+        takes its buffers from the host's RAM well past the 2 GiB it reports: a context whose KV
+        cache alone is bigger than the device's free memory is refused, before launch, by llama.cpp's
+        own projection at that context (the engine's check: llama-bench allocates only the
+        benchmark's context)."""
+        if not self.gpu:
+            return {}
+        (free,) = [d.memory_free for d in engine.devices() if d.name == device]
+        kv_per_token = 2 * shape.n_layer * shape.n_head_kv * (shape.n_embd // shape.n_head) * 2  # K and V, f16
+        return {"n_ctx": -(-(free * 5 // 4) // kv_per_token // 256) * 256}
 
     def rpc_device(self, memory_limit: int | None = None) -> str:
         """An RPC endpoint to offload to (capped like a small GPU when ``memory_limit``)."""
@@ -112,7 +143,7 @@ def test_it_lists_its_devices_with_llama_cpps_names(kit):
     with kit.engine() as engine:
         alone = engine.devices()
         devices = engine.devices((endpoint,))
-    assert [d.type for d in alone] == ["cpu"] and alone[0].name == "CPU"  # no GPU here
+    assert [(d.name, d.type) for d in alone] == kit.local_devices  # the CPU (and the build's GPU, where it has one)
     rpc = [d for d in devices if d.rpc_endpoint == endpoint]
     assert len(rpc) == 1
     device = rpc[0]
@@ -133,24 +164,24 @@ def test_a_trial_measures_pp_and_tg_and_reads_the_load_log(kit, models):
 
 
 def test_offloading_to_a_device_shows_in_the_load_log(kit, models):
-    endpoint = kit.rpc_device()
+    device, reach = kit.offload_target()
     with kit.engine() as engine:
-        result = engine.run(settings(models["q8_0"], n_gpu_layers=3, rpc_servers=(endpoint,)), QUICK)
+        result = engine.run(settings(models["q8_0"], n_gpu_layers=3, **reach), QUICK)
     assert result.ok, result.message
     assert result.load.layers_offloaded == 3 and result.load.layers_total == 5
-    assert result.load.model_buffers.get(f"RPC0[{endpoint}]", 0) > 0
+    assert result.load.model_buffers.get(device, 0) > 0
 
 
 def test_a_device_that_runs_out_of_memory_is_oom(kit, tmp_path):
     model = make_model(tmp_path / "wide.gguf", WIDE)
     kit.add_model(model)
-    endpoint = kit.rpc_device(memory_limit=24 * MiB)
+    device, reach = kit.offload_target(memory_limit=24 * MiB)
     with kit.engine() as engine:
-        result = engine.run(settings(model, n_gpu_layers=-1, rpc_servers=(endpoint,)), QUICK)
+        result = engine.run(settings(model, n_gpu_layers=-1, **reach, **kit.beyond_memory(engine, device, WIDE)), QUICK)
         assert result.outcome is Outcome.OOM, result.message
-        assert f"RPC0[{endpoint}]" in result.message
+        assert device in result.message
         # the engine is usable afterwards, and one layer fits
-        small = engine.run(settings(model, n_gpu_layers=1, rpc_servers=(endpoint,)), QUICK)
+        small = engine.run(settings(model, n_gpu_layers=1, **reach), QUICK)
     assert small.ok, small.message
 
 
