@@ -7,9 +7,8 @@ to inject the machine; without it, commands that need one probe this machine.
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -123,6 +122,8 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
         offload-tuner profile list --all
     """
     machine = None if show_all else _machine(ctx)
+    injected = isinstance(ctx.obj, dict) and ctx.obj.get("machine") is not None
+    seen_by: dict[str, Any] = {}  # binaries' folder -> this machine as those binaries see it
     rows = []
     for entry in list_profiles():
         profile = entry.profile
@@ -131,6 +132,16 @@ def list_command(ctx: click.Context, show_all: bool, as_json: bool) -> None:
             from ..machine.identity import match as identity_match
 
             how = identity_match(profile.machine, machine)
+            engine = profile.engine
+            if (how is None and not injected and engine is not None and engine.name == "llama-cpp" and engine.path
+                    and os.path.isdir(engine.path)):
+                # measured with the user's binaries (a Vulkan or ROCm build beside a CPU-only
+                # llama-cpp-python): this machine as those binaries see it, as load_profile does
+                from ..profile.apps import this_machine
+
+                if engine.path not in seen_by:
+                    seen_by[engine.path] = this_machine(engine.path)
+                how = identity_match(profile.machine, seen_by[engine.path])
             if how in ("fingerprint", "legacy fingerprint"):
                 match = "this machine"
             elif how in ("class", "legacy class"):

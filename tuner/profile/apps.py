@@ -111,7 +111,7 @@ def load_profile(
     """
     fingerprint = model_fingerprint(model_path)
     probed = machine is None
-    machine = machine if machine is not None else this_machine()
+    machine = machine if machine is not None else this_machine(llama_bin)
     folders = profile_search_path(search_path)
     candidates, rejected = _match(list_profiles(search_path), folders, fingerprint, machine)
     url = registry if registry is not None else os.environ.get(ENV_REGISTRY, "")
@@ -257,7 +257,7 @@ def check_profile(
     ``ProfileMismatchError`` instead of changing anything. ``llama_bin``, ``users``: as for ``load_profile``.
     """
     probed = machine is None
-    machine = machine if machine is not None else this_machine()
+    machine = machine if machine is not None else this_machine(llama_bin)
     checked = _check(profile, model_path, model_fingerprint(model_path), machine, probed, strict, margin_bytes,
                      _app_build(llama_bin))
     _warn_users(checked, users)
@@ -815,11 +815,16 @@ def _check_devices(profile: Profile) -> None:
     """llama-cpp-python's Llama takes no device list: llama.cpp picks its devices itself. Warn when the
     devices it will pick here (this process's ggml registry, llama_cpp being loaded already) are not the
     profile's, so its tensor split would land on other devices than the ones tuned."""
-    wanted = [n for n in profile.settings.devices if not n.startswith("RPC")]
-    if not wanted or profile.settings.n_gpu_layers == 0:
-        return
     from ..engine.ggml import list_devices
     from ..machine.devices import used_devices
+
+    wanted = [n for n in profile.settings.devices if not n.startswith("RPC")]
+    if not wanted:
+        # llama.cpp's own choice when tuning: the devices it would have used among those it listed
+        recorded = [{"memory_free": None, **dataclasses.asdict(d)} for d in profile.machine.devices]
+        wanted = [d.name for d in used_devices(recorded) if not d.name.startswith("RPC")]
+    if not wanted or profile.settings.n_gpu_layers == 0:
+        return
 
     try:
         here = [d.ggml_name or d.name for d in used_devices(list_devices()) if not d.rpc_endpoint]
