@@ -1,9 +1,12 @@
 """Every command has help with an example; the documentation (the README and docs/) names every
-command and tune flag, and every option it shows on a command line exists."""
+command and tune flag; the README's first screen holds the two set-up commands; every docs page is in
+the site's navigation, and the site builds strictly (a broken link fails)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +46,30 @@ def test_readme_test_command_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest -q" in README and "python -m pytest -q" in ci
     assert re.search(r"CMAKE_ARGS=.*-DGGML_RPC=on", ci)
+    assert "mkdocs build --strict" in ci
+
+
+def test_the_readme_first_screen_holds_the_two_set_up_commands():
+    first_screen = "\n".join(README.splitlines()[:40])
+    assert "CMAKE_ARGS=\"-DGGML_RPC=on\" python -m pip install --no-cache-dir -e '.[test]' && python -m tuner tune --demo" in first_screen
+    assert "\npython -m pytest -q\n" in first_screen
+    assert len(README.splitlines()) <= 60  # a front door; the reference is in docs/
+
+
+def test_every_docs_page_is_in_the_navigation():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    listed = set(re.findall(r":\s*([\w-]+\.md)\s*$", nav, re.MULTILINE))
+    assert listed == {page.name for page in PAGES}
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "site" / "doctor" / "index.html").is_file()
 
 
 def _command(words: list[str]):
