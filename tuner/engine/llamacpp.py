@@ -586,7 +586,12 @@ class LlamaCppEngine(Engine):
         tool = self.binaries.get("llama-fit-params")
         if tool is None:
             return None
-        proc = self._run_tool(tool, [*self._fit_args(settings, keep_placement=True), "--fit-print", "on"], timeout=120)
+        try:
+            proc = self._run_tool(tool, [*self._fit_args(settings, keep_placement=True), "--fit-print", "on"], timeout=120)
+        except EngineError:
+            # the projection itself crashed or hung (llama.cpp aborts in it on some backends, e.g. a KV
+            # tensor Vulkan cannot hold): no projection; the trial then says what llama.cpp does
+            return None
         if proc.returncode != 0:
             return None
         labels = {d.ggml_name or d.name: d.name for d in self.devices(settings.rpc_servers)}
