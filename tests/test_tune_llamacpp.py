@@ -38,14 +38,19 @@ def test_a_tune_of_an_f32_q8_0_q4_k_m_family_picks_q4_k_m_and_names_the_engine(t
     assert launched == {str(f32), str(q8), str(q4)}
     outcomes = [e["outcome"] for e in events if e["kind"] == "result"]
     assert outcomes == ["ok"] * 3
-    remeasure = next(e for e in events if e["kind"] == "remeasure")
-    assert remeasure["paired"] and remeasure["repetitions"] == 6  # side by side, in rotating rounds
+    # the leaders measured again side by side, in rotating rounds; or, when the leader is clear of the
+    # others by more than the noise, not measured again and said so (issue 24)
+    remeasured = [e for e in events if e["kind"] == "remeasure"]
+    skipped = [e for e in events if e["kind"] == "remeasure_skipped"]
+    assert len(remeasured) + len(skipped) == 1, [e["kind"] for e in events]
+    if remeasured:
+        assert remeasured[0]["paired"] and remeasured[0]["repetitions"] == 6
     profile = Profile.from_dict(json.loads(result.profile_path.read_text()))
     assert profile.settings.model_path == str(q4), [(c["settings"]["model_path"], c["value"]) for c in [result.best]]
     assert profile.engine is not None and profile.engine.name == "llama-cpp"
     assert profile.engine.build == build.describe() and build.commit and profile.engine.path == str(llama_bin)
     assert profile.llama_build.llama_cpp_python is None and profile.llama_build.llama_cpp_build == build.describe()
-    assert len(profile.measured.tg.samples) == 6
+    assert len(profile.measured.tg.samples) == (6 if remeasured else 2)
     # llama-bench gives no logits: quality came from llama-cpp-python's llama.cpp, against the F32 reference
     assert any(e["kind"] == "quality_engine" for e in events)
     report = result.quality

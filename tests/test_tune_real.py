@@ -24,7 +24,9 @@ def test_cli_tune_on_the_cpu_writes_a_profile(models, tuner_home):
     assert data["trials"]["run"] == 3
     assert "n_gpu_layers" in data["excluded_dimensions"]  # no GPU here, and it says so
     profile = Profile.from_dict(json.loads(open(data["profile_path"]).read()))
-    assert profile.measured.tg.median > 0 and len(profile.measured.tg.samples) >= 3
+    # the winner's two repetitions, or more when it was measured again beside a contender within noise
+    # (none is when the leader is clear: issue 24)
+    assert profile.measured.tg.median > 0 and len(profile.measured.tg.samples) >= 2
     assert profile.layers_total == 5 and profile.layers_offloaded == 0
     assert "CPU" in profile.memory.actual
     # profile list and show read it

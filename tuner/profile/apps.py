@@ -828,7 +828,7 @@ def _check_devices(profile: Profile) -> None:
 
     try:
         here = [d.ggml_name or d.name for d in used_devices(list_devices()) if not d.rpc_endpoint]
-    except OSError:
+    except (OSError, AttributeError):  # ggml's library not found beside this llama_cpp: nothing to compare
         return
     if here != wanted:
         warnings.warn(
