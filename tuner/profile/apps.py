@@ -830,10 +830,20 @@ def _check_devices(profile: Profile) -> None:
         here = [d.ggml_name or d.name for d in used_devices(list_devices()) if not d.rpc_endpoint]
     except (OSError, AttributeError):  # ggml's library not found beside this llama_cpp: nothing to compare
         return
-    if here != wanted:
+    if not here:
+        # nothing to offload to: every layer the profile puts on its devices runs on the CPU
+        warnings.warn(
+            f"PARTIAL OFFLOAD: profile {profile.name} was tuned on the devices {', '.join(wanted)}, and this "
+            "llama-cpp-python's llama.cpp has no GPU device (its backends here: CPU only): its layers would run on "
+            "the CPU. Run it with the llama.cpp binaries that measured it (offload-tuner profile args NAME --for "
+            "llama-server), or reinstall llama-cpp-python for that GPU (offload-tuner doctor prints the line)",
+            ProfileDegradedWarning,
+            stacklevel=3,
+        )
+    elif here != wanted:
         warnings.warn(
             f"profile {profile.name} was tuned on the devices {', '.join(wanted)}; llama.cpp here would use "
-            f"{', '.join(here) or 'none'} (llama-cpp-python cannot be told which): its layers and tensor split may "
+            f"{', '.join(here)} (llama-cpp-python cannot be told which): its layers and tensor split may "
             "land elsewhere; limit the visible devices (CUDA_VISIBLE_DEVICES, GGML_VK_VISIBLE_DEVICES...) or tune here",
             ProfileWarning,
             stacklevel=3,
