@@ -1063,13 +1063,9 @@ def _workload_line(result: Any) -> str:
     w = result.profile.workload if result.profile is not None else None
     if w is None:
         return "no profile"
-    parts = []
-    if w.aggregate_tg:
-        parts.append(f"aggregate tg {w.aggregate_tg.median:.1f} t/s ({w.aggregate_tg.ci_low:.1f}-{w.aggregate_tg.ci_high:.1f})")
-    if w.per_user_tg:
-        parts.append(f"per user {w.per_user_tg.median:.1f} t/s")
-    if w.ttft_s:
-        parts.append(f"TTFT p50 {w.ttft_s.p50:.3f} s, p95 {w.ttft_s.p95:.3f} s")
+    from ..report.summary import workload_in_words
+
+    parts = workload_in_words(w)
     return ", ".join(parts) or "no figures"
 
 

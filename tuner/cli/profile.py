@@ -20,7 +20,7 @@ from ..profile.exports import FORMATS, export_args
 from ..paths import ENV_PROFILE_PATH, ENV_REGISTRY, profiles_dir
 from ..profile.document import Profile, ProfileWarning, format_bytes
 from ..profile.store import import_bundle, list_profiles, profile_search_path, resolve_profile, without_path, write_bundle
-from ..report.summary import profile_summary
+from ..report.summary import profile_summary, workload_in_words
 
 class ProfileCommandError(click.ClickException):
     """One line on stderr and exit code 2: the house rule for bad input (a missing, unreadable, foreign
@@ -197,13 +197,7 @@ def _workload_lines(p: Any) -> list[str]:
         return ["  workload  1 user (a profile from before workloads were recorded)"]
     head = (f"  workload  {w.users} user(s) at once, {w.n_prompt} prompt / {w.n_gen} generated tokens at depth {w.depth}, "
             f"objective {w.objective}" + (f", every user at or above {w.min_user_tg:g} t/s" if w.min_user_tg is not None else ""))
-    figures = []
-    if w.aggregate_tg:
-        figures.append(f"aggregate tg {w.aggregate_tg.median:.1f} t/s (95% CI {w.aggregate_tg.ci_low:.1f}-{w.aggregate_tg.ci_high:.1f})")
-    if w.per_user_tg:
-        figures.append(f"per user {w.per_user_tg.median:.1f} t/s")
-    if w.ttft_s:
-        figures.append(f"time to first token p50 {w.ttft_s.p50:.3f} s, p95 {w.ttft_s.p95:.3f} s")
+    figures = workload_in_words(w)
     lines = [head] + ([f"            {', '.join(figures)}"] if figures else [])
     for point in sorted((c for c in w.curve if c.candidate == "winner"), key=lambda c: c.users):
         if point.aggregate_tg:

@@ -75,3 +75,17 @@ def profile_summary(profile: Any) -> str:
             need = actual.need if actual is not None else predicted.need
             free[device] = totals[device] - need
     return offload_summary(profile.layers_offloaded, profile.layers_total, free)
+
+
+def workload_in_words(workload: Any) -> list[str]:
+    """A profile's figures at its workload, in words: aggregate and per-user generation speed, the time
+    to the first token (the tune's closing line and ``profile show`` say them alike)."""
+    figures = []
+    if workload.aggregate_tg:
+        a = workload.aggregate_tg
+        figures.append(f"aggregate tg {a.median:.1f} t/s (95% CI {a.ci_low:.1f}-{a.ci_high:.1f})")
+    if workload.per_user_tg:
+        figures.append(f"per user {workload.per_user_tg.median:.1f} t/s")
+    if workload.ttft_s:
+        figures.append(f"time to first token p50 {workload.ttft_s.p50:.3f} s, p95 {workload.ttft_s.p95:.3f} s")
+    return figures
