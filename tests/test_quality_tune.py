@@ -112,6 +112,11 @@ def test_cli_tune_with_no_budget_ends_with_the_trade(tmp_path, tuner_home):
     assert any(r["best"] and r["best"]["tg"] > 0 for r in rows.values())
     # the winner's variant shows re-measured figures, not a luckier first measurement of another candidate
     winner = next(r for r in data["trade"] if r["path"] == data["best"]["settings"]["model_path"])
-    assert winner["best"]["remeasured"] is True
+    if data["best"]["remeasured"]:
+        assert winner["best"]["remeasured"] is True
+    else:
+        # the leader was clear of the others by more than the noise, so it was not measured again
+        # (issue 24): its variant's row is the winner's own trial, not another candidate's
+        assert winner["best"]["number"] == data["best"]["number"]
     assert data["quality"]["cache"]["reused"] is True and data["over_budget"] == {}
     assert data["profile"]["quality"]["reference"]["file_name"] == "trade-F16.gguf"
