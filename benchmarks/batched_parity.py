@@ -5,10 +5,12 @@ libraries llama-cpp-python installed: the same llama.cpp as the python engine), 
 sliding-window model here, then for each count of users N measures the same row of batched-bench's
 -npp/-ntg/-npl table both ways, with the same settings (-c, -b, -ub, -t, -fa, -kvu; n_seq_max = N on
 both sides: batched-bench is run with -npl N,N and its second row kept, the first warming up as
-our full-size warm-up repetition does), alternating the tools round after round (a
+our full-size warm-up repetition does; one user is measured the batched way too, as `bench --users 1,2,4`
+does, generation after the prompt), alternating the tools round after round (a
 shared machine drifts over seconds: each round's pair sees the same machine). It prints per row
 S_PP and S_TG (t/s, medians over the rounds) of both, and the median of the per-round ratios
-(ours / batched-bench). Target: every ratio within 5% of 1.
+(ours / batched-bench), with the quartiles of those ratios (how much the machine moved between the
+two sides of a round). Target: every ratio within 5% of 1.
 
     LLAMA_CPP_SOURCE=.../llama_cpp_python-0.3.36/vendor/llama.cpp python benchmarks/batched_parity.py
     python benchmarks/batched_parity.py --users 1,2,4,8 --rounds 7 --kv-unified
@@ -69,7 +71,7 @@ def main() -> int:
             for n in users:
                 s = Settings(model_path=str(path), n_ctx=args.ctx, n_threads=args.threads, n_threads_batch=args.threads,
                              flash_attn="auto", kv_unified=args.kv_unified, n_parallel=n)
-                bench = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=1, users=n)
+                bench = BenchSpec(n_prompt=args.n_prompt, n_gen=args.n_gen, repetitions=1, users=n, batched=True)
                 cmd = [str(binary), "-m", str(path), "-c", str(args.ctx), "-b", str(s.n_batch), "-ub", str(s.n_ubatch),
                        "-t", str(args.threads), "-ngl", "0", "-fa", "auto", "-npp", str(args.n_prompt),
                        "-ntg", str(args.n_gen), "-npl", f"{n},{n}", "--output-format", "jsonl"] + (["-kvu"] if args.kv_unified else [])
@@ -96,11 +98,15 @@ def main() -> int:
                             data = json.loads(line)
                             theirs["pp"].append(data["speed_pp"])
                             theirs["tg"].append(data["speed_tg"])
-                ratio = {k: statistics.median(a / b for a, b in zip(ours[k], theirs[k])) for k in ("pp", "tg")}
+                per_round = {k: [a / b for a, b in zip(ours[k], theirs[k])] for k in ("pp", "tg")}
+                ratio = {k: statistics.median(v) for k, v in per_round.items()}
+                spread = {k: (statistics.quantiles(v, n=4)[0], statistics.quantiles(v, n=4)[2]) if len(v) > 1 else (v[0], v[0])
+                          for k, v in per_round.items()}
                 o, t = ({k: statistics.median(v) for k, v in side.items()} for side in (ours, theirs))
                 rows.append(ratio)
                 print(f"{name:<6} {n:>3} | {o['pp']:10.1f} {t['pp']:10.1f} {ratio['pp']:6.3f} | {o['tg']:10.1f} {t['tg']:10.1f} "
-                      f"{ratio['tg']:6.3f}", flush=True)
+                      f"{ratio['tg']:6.3f} | quartiles of the rounds' ratios: pp {spread['pp'][0]:.3f}-{spread['pp'][1]:.3f}, "
+                      f"tg {spread['tg'][0]:.3f}-{spread['tg'][1]:.3f}", flush=True)
     worst = max((abs(r[k] - 1) for r in rows for k in ("pp", "tg")), default=0.0)
     print(f"largest deviation from 1: {worst:.3f} (target: within 0.05)")
     return 0

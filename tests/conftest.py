@@ -114,6 +114,25 @@ def llama_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama-server built from the llama.cpp sources that match the installed llama-cpp-python, against
+    its libraries: ``OFFLOAD_TUNER_LLAMA_SERVER`` (``.ci/run`` builds it once per CI run, apart from
+    ``OFFLOAD_TUNER_LLAMA_BIN``'s engine tools), else built here (about four minutes on two cores)."""
+    from tuner.errors import TunerError
+    from tuner.testing import build_llama_server, llama_cpp_source
+
+    given = os.environ.get("OFFLOAD_TUNER_LLAMA_SERVER")
+    if given:
+        return Path(given)
+    if llama_cpp_source() is None:
+        pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
+    try:
+        return build_llama_server(tmp_path_factory.mktemp("llama-server"))
+    except TunerError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 def llama_parsers(tmp_path_factory):
     """(harness, llama-bench, environment) built from llama.cpp's sources (tests/parsers.py), or a skip."""
     from tests.parsers import build_parsers

@@ -79,6 +79,29 @@ def test_the_python_engine_decodes_several_sequences_in_one_batch(models):
         assert "4 users x (depth 16 + 200 prompt + 60 generated tokens) exceed n_ctx 1024 (256 per sequence)" in small.message
 
 
+def test_one_user_among_several_counts_is_measured_as_batched_bench_measures_it(models):
+    """A users table or curve measures its one-user point as llama-batched-bench's -npl 1 row
+    (generation after the prompt), not as llama-bench (generation at depth 0): one method along it."""
+    from tuner.engine.python import TrialRunner
+
+    s = Settings(model_path=str(models["q8_0"]), n_ctx=256, n_threads=2, n_parallel=1)
+    with TrialRunner() as runner:
+        # llama-bench's method runs the prompt and the generation each from an empty cache: both fit 256
+        alone = runner.run(s, BenchSpec(n_prompt=200, n_gen=100, repetitions=1))
+        assert alone.ok, alone.message
+        served = runner.run(s, BenchSpec(n_prompt=200, n_gen=100, repetitions=1, batched=True))
+        assert served.outcome.value == "bad_settings"
+        assert "1 user x (depth 0 + 200 prompt + 100 generated tokens) exceed n_ctx 256" in served.message
+    assert BenchSpec(batched=True).as_served and BenchSpec(users=2).as_served and not BenchSpec().as_served
+    assert "batched" not in BenchSpec(users=2).to_dict()  # a study's name stays what it was
+    # the table's one-user row goes the batched way (the same context error), the two-user row too
+    result = CliRunner().invoke(cli, ["bench", str(models["q8_0"]), "-c", "256", "-t", "2", "--users", "1,2",
+                                      "-p", "200", "-n", "100", "-r", "1", "--json"])
+    rows = json.loads(result.output)["rows"]
+    assert result.exit_code == 2 and rows[0]["outcome"] == "bad_settings", rows
+    assert "1 user x (depth 0 + 200 prompt + 100 generated tokens) exceed n_ctx 256" in rows[0]["message"]
+
+
 def test_the_llama_cpp_engine_measures_several_users_with_llama_batched_bench(models, llama_bin):
     from tuner.engine.llamacpp import LlamaCppEngine
 

@@ -24,6 +24,7 @@ from .model.make import (
     ModelShape,
     build_against_llama_cpp,
     build_llama_cpp_tools,
+    build_llama_server,
     demo_models,
     llama_cpp_env,
     llama_cpp_source,
@@ -37,6 +38,7 @@ __all__ = [
     "ModelShape",
     "build_against_llama_cpp",
     "build_llama_cpp_tools",
+    "build_llama_server",
     "demo_models",
     "llama_cpp_env",
     "llama_cpp_source",
@@ -190,3 +192,169 @@ def postgres_server(**kwargs) -> Iterator[PostgresServer]:
 
 
 __all__ += ["PostgresServer", "postgres_server", "postgres_bindir"]
+
+
+# -- llama-server, started for real (tests and benchmarks of a profile's llama-server export) -------
+
+
+class ServedRound:
+    """One round of ``users`` requests sent to llama-server at once, as the server's own ``timings``
+    report them per request, with the moment each answer arrived here (``ended_s``, seconds after
+    the requests left).
+
+    - ``ttft_s``: per request, the server's ``prompt_ms`` (its prompt processed, the first token out);
+    - ``per_user_tg``: per request, the server's ``predicted_per_second``;
+    - ``aggregate_tg``: their sum, the server's generation throughput while its slots decode side by
+      side (one token each per batch: llama-batched-bench's S_TG);
+    - ``overlap``: how far the slots did decode side by side: the stretch where every request was
+      generating (each one's generation ends when its answer arrives and began ``predicted_ms``
+      before) over the longest generation; 1.0 when the prompts went in one batch and the slots
+      stepped together all the way. Below 1 (prompts longer than one batch together: llama-server
+      starts a slot's generation as soon as its own prompt is done) the sum over-counts."""
+
+    def __init__(self, replies: list[dict], ended_s: list[float], wall_s: float) -> None:
+        self.replies, self.ended_s, self.wall_s = replies, ended_s, wall_s
+        timings = [r.get("timings") or {} for r in replies]
+        self.prompt_n = [int(t.get("prompt_n", 0)) for t in timings]
+        self.predicted_n = [int(t.get("predicted_n", 0)) for t in timings]
+        self.per_user_tg = [float(t.get("predicted_per_second", 0.0)) for t in timings]
+        self.ttft_s = [float(t.get("prompt_ms", 0.0)) / 1000 for t in timings]
+        spans = [float(t.get("predicted_ms", 0.0)) / 1000 for t in timings]
+        starts = [end - span for end, span in zip(ended_s, spans)]
+        both = min(ended_s, default=0.0) - max(starts, default=0.0)
+        self.overlap = max(0.0, min(1.0, both / max(spans))) if spans and max(spans) > 0 else 0.0
+
+    @property
+    def aggregate_tg(self) -> float:
+        return sum(self.per_user_tg)
+
+
+class LlamaServer:
+    """llama-server (``binary``) started with ``args`` on a free port of 127.0.0.1, its log (stdout
+    and stderr) in a file, stopped by ``close``. ``complete_together`` sends requests at once, as
+    several users of an app would; ``rss`` is the process's resident memory now."""
+
+    def __init__(self, binary: str | os.PathLike[str], args: list[str], *, env: dict[str, str] | None = None,
+                 timeout_s: float = 300) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="offload-tuner-llama-server-"))
+        self.log_path = self.base / "server.log"
+        self.port = _free_port()
+        self.args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([str(binary), *self.args], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self._health()
+            if status == 200:
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close(keep_log=True)
+                raise RuntimeError(f"llama-server did not become ready (exit {self.proc.returncode}):\n{self.log[-3000:]}")
+            time.sleep(0.2)
+
+    def _health(self) -> int | None:
+        import http.client
+
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+            connection.request("GET", "/health")
+            status = connection.getresponse().status
+            connection.close()
+            return status
+        except OSError:
+            return None
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def post(self, path: str, body: dict, *, timeout_s: float = 600) -> dict:
+        import http.client
+        import json
+
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            data = response.read()
+        finally:
+            connection.close()
+        if response.status != 200:
+            raise RuntimeError(f"llama-server answered {response.status} to {path}: {data[:500]!r}")
+        return json.loads(data)
+
+    def complete_together(self, users: int, n_prompt: int, n_gen: int, *, n_vocab: int, seed: int = 0) -> ServedRound:
+        """``users`` /completion requests sent at the same moment (a barrier), each a prompt of
+        ``n_prompt`` random token ids (as llama-batched-bench's prompts) generating exactly ``n_gen``
+        tokens (``ignore_eos``), the prompt cache off: every request's prompt is processed. Not
+        streamed: the client's threads stay asleep while the server decodes (this machine's cores
+        are the server's)."""
+        import http.client
+        import json
+        import random
+        import threading
+
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(n_vocab) for _ in range(n_prompt)] for _ in range(users)]
+        barrier = threading.Barrier(users + 1)
+        replies: list[dict | BaseException | None] = [None] * users
+        ended = [0.0] * users
+        sent = [0.0]
+
+        def one(i: int) -> None:
+            body = json.dumps({"prompt": prompts[i], "n_predict": n_gen, "ignore_eos": True, "cache_prompt": False,
+                               "temperature": 0.0, "stream": False})
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+            try:
+                connection.connect()
+                barrier.wait()
+                connection.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
+                response = connection.getresponse()
+                data = response.read()
+                ended[i] = time.perf_counter() - sent[0]
+                if response.status != 200:
+                    raise RuntimeError(f"llama-server answered {response.status}: {data[:500]!r}")
+                replies[i] = json.loads(data)
+            except BaseException as exc:  # noqa: BLE001 - reported below, in the caller's thread
+                replies[i] = exc
+            finally:
+                connection.close()
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(users)]
+        for t in threads:
+            t.start()
+        sent[0] = time.perf_counter()
+        barrier.wait()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - sent[0]
+        for r in replies:
+            if not isinstance(r, dict):
+                raise RuntimeError(f"a request to llama-server failed: {r}")
+        return ServedRound([r for r in replies if isinstance(r, dict)], ended, wall)
+
+    def rss(self) -> int:
+        import psutil
+
+        return psutil.Process(self.proc.pid).memory_info().rss
+
+    def close(self, *, keep_log: bool = False) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not keep_log:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> "LlamaServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ += ["LlamaServer", "ServedRound"]

@@ -599,7 +599,8 @@ def _bench_users(settings: Any, bench: Any, users: tuple[int, ...], *, engine: s
     rows = []
     with open_engine(engine, llama_bin=llama_bin, timeout_s=timeout_s, memory_limit=memory_limit) as runner:
         for n in users:
-            spec = dataclasses.replace(bench, users=n)
+            # every row as llama-batched-bench measures it, the one-user row too (its -npl 1 row)
+            spec = dataclasses.replace(bench, users=n, batched=True)
             result = runner.run(settings.replace(n_parallel=n), spec)
             rows.append({"users": n, "outcome": result.outcome.value, "message": result.message,
                          "s_pp": result.pp.median if result.pp else None, "s_tg": result.tg.median if result.tg else None,

@@ -68,7 +68,12 @@ class BenchSpec:
     ``users`` > 1 measures as llama-batched-bench does (-npp P -ntg G -npl N): N sequences decoded
     together in one batch, the KV cache sized for N; pp and tg are then the aggregate S_PP and S_TG.
     ``min_user_tg`` is the floor each user's own generation speed must reach for the ``aggregate``
-    objective (``tuner.search.objective``); it is not measured, so the worker ignores it."""
+    objective (``tuner.search.objective``); it is not measured, so the worker ignores it.
+
+    ``batched`` measures one user that way too (batched-bench's -npl 1 row: generation after the
+    prompt, at depth + P), where one user is a point among several counts (``bench --users 1,2,4``,
+    the report's curve): llama-bench's tg runs at depth 0, and a curve mixing the two methods
+    overstates the one-user point (1.6x on a 4-layer model at P=512)."""
 
     n_prompt: int = 512
     n_gen: int = 128
@@ -78,6 +83,12 @@ class BenchSpec:
     seed: int = 1234
     users: int = 1
     min_user_tg: float | None = None
+    batched: bool = False
+
+    @property
+    def as_served(self) -> bool:
+        """Measured as llama-batched-bench does (N sequences in one batch), not as llama-bench."""
+        return self.users > 1 or self.batched
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -86,6 +97,8 @@ class BenchSpec:
             del out["users"]
         if self.min_user_tg is None:
             del out["min_user_tg"]
+        if not self.batched:
+            del out["batched"]
         return out
 
     def ttft(self, pp: "Stats | None") -> "Stats | None":

@@ -431,7 +431,7 @@ class LlamaCppEngine(Engine):
 
     def run(self, settings: Settings, bench: BenchSpec = BenchSpec(), *, trial_id: Any = None) -> TrialResult:
         started = time.perf_counter()
-        if bench.users > 1:
+        if bench.as_served:
             return self._run_batched(settings, bench, started)
         rejected = self.pre_check(settings, bench)
         args = self.bench_args(settings, bench)

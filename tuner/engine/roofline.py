@@ -601,13 +601,14 @@ class RooflineEngine(Engine):
     def speed(self, s: Settings, bench: BenchSpec = BenchSpec()) -> tuple[float, float]:
         """Noiseless (prompt t/s, generation t/s) for ``s``, whether or not it fits.
 
-        With ``bench.users`` N > 1, as llama-batched-bench measures (S_PP, S_TG): the N prompts fill
+        With ``bench.users`` N > 1 (or ``bench.batched``), as llama-batched-bench measures (S_PP, S_TG): the N prompts fill
         the batch one sequence after another, so a micro-batch holds tokens of one or more sequences,
         each reading its own cache; a generation step is one micro-batch of N tokens, one per
         sequence: the weights are read once for all N, every sequence's cache is read for its token."""
         placement = self.placement(s)
         users = max(1, bench.users)
-        if users == 1:
+        served = bench.as_served  # one user measured as batched-bench does: generation after the prompt
+        if not served:
             tg_time = self.time(s, self.work(s, 1, bench.depth + bench.n_gen / 2), placement)
         else:
             context = bench.depth + bench.n_prompt + bench.n_gen / 2
@@ -620,7 +621,7 @@ class RooflineEngine(Engine):
             start = done
             while start < done + batch:
                 n = min(s.n_ubatch, done + batch - start)
-                if users == 1:
+                if not served:
                     context = bench.depth + start + n / 2
                     sequences = 1
                 else:  # the sequences this micro-batch's tokens belong to, each at about half its prompt

@@ -375,7 +375,7 @@ class _Batched:
         if self.N > n_seq_max:
             self.too_small = f"{self.N} users need n_seq_max {self.N}, the context has {n_seq_max}"
         elif per_seq > self.n_ctx_seq or self.N * per_seq > self.n_ctx:
-            self.too_small = (f"{self.N} users x (depth {self.D} + {self.P} prompt + {self.G} generated tokens) exceed "
+            self.too_small = (f"{self.N} user{'s' if self.N != 1 else ''} x (depth {self.D} + {self.P} prompt + {self.G} generated tokens) exceed "
                               f"n_ctx {self.n_ctx} ({self.n_ctx_seq} per sequence)")
         self.memory = lc.llama_get_memory(ctx)
         size = max(1, self.N * max(self.P, self.D, 1), self.N)
@@ -470,8 +470,9 @@ class _Batched:
 
 
 def _bench_for(lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> "_Bench | _Batched":
-    """One user: llama-bench's method; several: llama-batched-bench's."""
-    return _Batched(lc, model, ctx, bench) if int(bench.get("users", 1)) > 1 else _Bench(lc, model, ctx, bench)
+    """One user: llama-bench's method; several (or one asked ``batched``): llama-batched-bench's."""
+    served = int(bench.get("users", 1)) > 1 or bool(bench.get("batched"))
+    return _Batched(lc, model, ctx, bench) if served else _Bench(lc, model, ctx, bench)
 
 
 def _samples(b: "_Bench | _Batched", reps: int, stop: "StopRule | None" = None) -> tuple[list[float], list[float]]:

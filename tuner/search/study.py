@@ -746,7 +746,8 @@ class Tuner:
             for k in counts:
                 per_user_ctx = max(1, c.settings.n_ctx // users) if c.settings.n_ctx else 0
                 s = c.settings.replace(n_parallel=k, n_ctx=per_user_ctx * k, kv_unified=c.settings.kv_unified and k > 1)
-                bench = dataclasses.replace(self.bench, users=k)
+                # one method along the curve: its one-user point too is measured as batched-bench does
+                bench = dataclasses.replace(self.bench, users=k, batched=True)
                 try:
                     with ctrl_c.immediate():
                         result = engine.run(s, bench, trial_id=f"curve-{name}-{k}")
