@@ -94,42 +94,37 @@ def rpc_servers():
             assert proc.poll() is not None, f"RPC server {server.endpoint} outlived its stop"
 
 
-@pytest.fixture(scope="session")
-def llama_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder of real llama.cpp binaries (llama-bench, llama-fit-params) for the llama-cpp engine:
-    ``OFFLOAD_TUNER_LLAMA_BIN`` (``.ci/run`` builds it once per CI run), else built here from the
-    llama.cpp sources that match the installed llama-cpp-python (``LLAMA_CPP_SOURCE``)."""
+def _llama_cpp_build(tmp_path_factory: pytest.TempPathFactory, variable: str, build: str, folder: str) -> Path:
+    """``variable``'s path when set (``.ci/run`` builds once per CI run), else ``tuner.testing.<build>``
+    into a new temporary ``folder`` from the llama.cpp sources that match the installed
+    llama-cpp-python (``LLAMA_CPP_SOURCE``); a skip saying why when that cannot be."""
+    import tuner.testing
     from tuner.errors import TunerError
-    from tuner.testing import build_llama_cpp_tools, llama_cpp_source
 
-    given = os.environ.get("OFFLOAD_TUNER_LLAMA_BIN")
+    given = os.environ.get(variable)
     if given:
         return Path(given)
-    if llama_cpp_source() is None:
+    if tuner.testing.llama_cpp_source() is None:
         pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
     try:
-        return build_llama_cpp_tools(tmp_path_factory.mktemp("llama-bin"))
+        return getattr(tuner.testing, build)(tmp_path_factory.mktemp(folder))
     except TunerError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def llama_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of real llama.cpp binaries (llama-bench, llama-fit-params, llama-batched-bench) for the
+    llama-cpp engine: ``OFFLOAD_TUNER_LLAMA_BIN``, else built here."""
+    return _llama_cpp_build(tmp_path_factory, "OFFLOAD_TUNER_LLAMA_BIN", "build_llama_cpp_tools", "llama-bin")
 
 
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """llama-server built from the llama.cpp sources that match the installed llama-cpp-python, against
-    its libraries: ``OFFLOAD_TUNER_LLAMA_SERVER`` (``.ci/run`` builds it once per CI run, apart from
-    ``OFFLOAD_TUNER_LLAMA_BIN``'s engine tools), else built here (about four minutes on two cores)."""
-    from tuner.errors import TunerError
-    from tuner.testing import build_llama_server, llama_cpp_source
-
-    given = os.environ.get("OFFLOAD_TUNER_LLAMA_SERVER")
-    if given:
-        return Path(given)
-    if llama_cpp_source() is None:
-        pytest.skip("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's vendor/llama.cpp")
-    try:
-        return build_llama_server(tmp_path_factory.mktemp("llama-server"))
-    except TunerError as exc:
-        pytest.skip(str(exc))
+    its libraries: ``OFFLOAD_TUNER_LLAMA_SERVER`` (a folder of its own in CI, apart from the engine's
+    tools), else built here (about four minutes on two cores)."""
+    return _llama_cpp_build(tmp_path_factory, "OFFLOAD_TUNER_LLAMA_SERVER", "build_llama_server", "llama-server")
 
 
 @pytest.fixture(scope="session")
