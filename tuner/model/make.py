@@ -413,8 +413,10 @@ def build_llama_server(out_dir: str | os.PathLike[str], *, source: Path | None =
         os.replace(part, obj)
         return obj
 
+    # the largest first (httplib, the server's context): a big one left for last compiles on one core alone
+    order = sorted(units, key=lambda u: u.stat().st_size, reverse=True)
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        objects = list(pool.map(compile_one, units))
+        objects = list(pool.map(compile_one, order))
     binary = out / "llama-server"
     rpath = [f"-Wl,-rpath,{libdir}"] + (["-Wl,--disable-new-dtags"] if sys.platform.startswith("linux") else [])
     link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", *(["-lssl", "-lcrypto"] if openssl else []),
