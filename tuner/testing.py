@@ -269,21 +269,6 @@ class LlamaServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
-    def post(self, path: str, body: dict, *, timeout_s: float = 600) -> dict:
-        import http.client
-        import json
-
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
-        try:
-            connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-            response = connection.getresponse()
-            data = response.read()
-        finally:
-            connection.close()
-        if response.status != 200:
-            raise RuntimeError(f"llama-server answered {response.status} to {path}: {data[:500]!r}")
-        return json.loads(data)
-
     def complete_together(self, users: int, n_prompt: int, n_gen: int, *, n_vocab: int, seed: int = 0) -> ServedRound:
         """``users`` /completion requests sent at the same moment (a barrier), each a prompt of
         ``n_prompt`` random token ids (as llama-batched-bench's prompts) generating exactly ``n_gen``

@@ -28,7 +28,7 @@ from typing import Any
 
 from .dimensions import DIMENSIONS
 from .process import LOG_MARK
-from .base import StopRule
+from .base import BenchSpec, StopRule
 
 # a load that takes longer than this says how far it is, every LOAD_PROGRESS_EVERY_S (the tests set
 # OFFLOAD_TUNER_LOAD_PROGRESS_AFTER_S=0 to see the lines of a small model's short load)
@@ -471,8 +471,7 @@ class _Batched:
 
 def _bench_for(lc: Any, model: Any, ctx: Any, bench: dict[str, Any]) -> "_Bench | _Batched":
     """One user: llama-bench's method; several (or one asked ``batched``): llama-batched-bench's."""
-    served = int(bench.get("users", 1)) > 1 or bool(bench.get("batched"))
-    return _Batched(lc, model, ctx, bench) if served else _Bench(lc, model, ctx, bench)
+    return _Batched(lc, model, ctx, bench) if BenchSpec(**bench).as_served else _Bench(lc, model, ctx, bench)
 
 
 def _samples(b: "_Bench | _Batched", reps: int, stop: "StopRule | None" = None) -> tuple[list[float], list[float]]:

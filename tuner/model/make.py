@@ -264,6 +264,43 @@ def llama_cpp_source() -> Path | None:
     return None
 
 
+def _installed_libdir() -> Path:
+    """Where llama-cpp-python installed llama.cpp's shared libraries."""
+    import sysconfig
+
+    return Path(sysconfig.get_paths()["purelib"]) / "lib"
+
+
+def _toolchain() -> tuple[str, Path]:
+    """(the C++ compiler, llama-cpp-python's library folder) for a program built against its llama.cpp;
+    ``TunerError`` saying which is missing."""
+    import shutil
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise TunerError("no C++ compiler (g++ or c++) on PATH")
+    libdir = _installed_libdir()
+    if not (libdir / "libllama-common.so").exists():
+        raise TunerError(f"{libdir / 'libllama-common.so'} is missing (llama-cpp-python installs it with llama.cpp's common library)")
+    return compiler, libdir
+
+
+def _link_args(libdir: Path, *extra: str) -> list[str]:
+    """Linker arguments for llama-cpp-python's libraries (and ``extra`` ones), found without LD_LIBRARY_PATH."""
+    # DT_RPATH (not RUNPATH): it applies to libllama-common's own dependencies too.
+    rpath = [f"-Wl,-rpath,{libdir}"] + (["-Wl,--disable-new-dtags"] if sys.platform.startswith("linux") else [])
+    return [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", *extra, *rpath]
+
+
+def _require_source(source: Path | None) -> Path:
+    """``source`` or the sources found by ``llama_cpp_source``; ``TunerError`` when there are none."""
+    source = source or llama_cpp_source()
+    if source is None:
+        raise TunerError("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's "
+                         "vendor/llama.cpp")
+    return source
+
+
 def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, source: Path, optimize: str = "-O2",
                             defines: tuple[str, ...] = ()) -> Path:
     """Compile a C++ program (llama-bench, a test harness) against the llama.cpp libraries that
@@ -272,20 +309,10 @@ def build_against_llama_cpp(target: str, sources: list[Path], out_dir: Path, *, 
     The binary finds those libraries by itself (an RPATH that also serves the libraries' own
     dependencies), so it runs like a user's installed llama.cpp, without LD_LIBRARY_PATH.
     Raises ``TunerError`` saying what is missing when a compiler or a library is not there."""
-    import shutil
-    import sysconfig
-
-    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise TunerError("no C++ compiler (g++ or c++) on PATH")
-    if not (libdir / "libllama-common.so").exists():
-        raise TunerError(f"{libdir / 'libllama-common.so'} is missing (llama-cpp-python installs it with llama.cpp's common library)")
+    compiler, libdir = _toolchain()
     out_dir.mkdir(parents=True, exist_ok=True)
     include = [f"-I{source / d}" for d in ("common", "include", "ggml/include", "vendor")]
-    # DT_RPATH (not RUNPATH): it applies to libllama-common's own dependencies too.
-    rpath = [f"-Wl,-rpath,{libdir}"] + (["-Wl,--disable-new-dtags"] if sys.platform.startswith("linux") else [])
-    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", *rpath]
+    link = _link_args(libdir)
     binary = out_dir / target
     extra = sorted({f"-I{p.parent}" for p in sources})
     flags = [f"-D{d}" for d in defines]
@@ -312,10 +339,7 @@ def build_llama_cpp_tools(out_dir: str | os.PathLike[str], *, source: Path | Non
 
     A tool already there and newer than its sources is kept (one build per CI run: ``.ci/run``
     empties the folder first). Raises ``TunerError`` when the sources or a compiler are missing."""
-    source = source or llama_cpp_source()
-    if source is None:
-        raise TunerError("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's "
-                         "vendor/llama.cpp")
+    source = _require_source(source)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for tool, files in LLAMA_CPP_TOOLS.items():
@@ -358,25 +382,16 @@ def build_llama_server(out_dir: str | os.PathLike[str], *, source: Path | None =
     compiler, a library)."""
     import glob
     import shutil
-    import sysconfig
     from concurrent.futures import ThreadPoolExecutor
 
-    source = source or llama_cpp_source()
-    if source is None:
-        raise TunerError("llama.cpp sources not found: set LLAMA_CPP_SOURCE to an unpacked llama-cpp-python sdist's "
-                         "vendor/llama.cpp")
+    source = _require_source(source)
     if not (source / "tools" / "server" / "server.cpp").is_file():
         raise TunerError(f"{source} has no tools/server/server.cpp: not a llama.cpp source tree with llama-server")
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise TunerError("no C++ compiler (g++ or c++) on PATH")
+    compiler, libdir = _toolchain()
     cmake = shutil.which("cmake")
     if cmake is None:
         raise TunerError("llama-server's web UI table is generated by cmake (scripts/ui-assets.cmake), and cmake is not on PATH")
-    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
     common = libdir / "libllama-common.so"
-    if not common.exists():
-        raise TunerError(f"{common} is missing (llama-cpp-python installs it with llama.cpp's common library)")
     out = Path(out_dir)
     objdir = out / ".llama-server-obj"
     ui = objdir / "ui"
@@ -418,9 +433,7 @@ def build_llama_server(out_dir: str | os.PathLike[str], *, source: Path | None =
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         objects = list(pool.map(compile_one, order))
     binary = out / "llama-server"
-    rpath = [f"-Wl,-rpath,{libdir}"] + (["-Wl,--disable-new-dtags"] if sys.platform.startswith("linux") else [])
-    link = [f"-L{libdir}", "-lllama-common", "-lllama", "-lggml", "-lggml-base", *(["-lssl", "-lcrypto"] if openssl else []),
-            "-pthread", *rpath]
+    link = _link_args(libdir, *(["-lssl", "-lcrypto"] if openssl else []), "-pthread")
     part = out / ".llama-server.part"
     done = subprocess.run([compiler, *map(str, objects), "-o", str(part), *link], capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -432,9 +445,7 @@ def build_llama_server(out_dir: str | os.PathLike[str], *, source: Path | None =
 def llama_cpp_env() -> dict[str, str]:
     """Environment for programs built by ``build_against_llama_cpp``: libllama-common's own
     dependencies are found through the library path, not its rpath."""
-    import sysconfig
-
-    libdir = Path(sysconfig.get_paths()["purelib"]) / "lib"
+    libdir = _installed_libdir()
     # (no empty entry: the dynamic loader reads one as the current folder, and llama-batched-bench
     # started that way printed nothing and exited 0)
     paths = [str(libdir)] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
